@@ -1,0 +1,13 @@
+"""Optimizers and learning-rate schedules configured from YAML."""
+
+from forge_lightning.optim.param_groups import OptimizerConfig, build_optimizer, param_groups
+from forge_lightning.optim.schedulers import SchedulerConfig, build_scheduler, lr_lambda
+
+__all__ = [
+    "OptimizerConfig",
+    "SchedulerConfig",
+    "build_optimizer",
+    "build_scheduler",
+    "lr_lambda",
+    "param_groups",
+]

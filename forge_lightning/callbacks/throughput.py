@@ -1,0 +1,128 @@
+"""Throughput, TFLOP/s, MFU, data-wait and peak-memory logging for any LightningModule.
+
+A module reports what a batch holds by implementing ``batch_stats(batch) -> dict`` with any of ``samples``,
+``tokens`` and ``flops`` (training FLOPs of the micro-batch: forward + backward). The callback times whole
+optimizer steps over a window and logs per-device and global rates.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from typing import Any
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+H200_BF16_PEAK_TFLOPS = 989.0
+
+
+class ThroughputMonitor(Callback):
+    """Logs ``throughput/*`` (samples/s, tokens/s, TFLOP/s, MFU, data-wait %) and ``memory/peak_gb``.
+
+    Args:
+        peak_tflops: the per-device peak used for MFU. ``None`` uses 989 TFLOP/s (H100/H200 dense bf16) on CUDA
+            and logs no MFU elsewhere.
+        window: optimizer steps per measurement window (the first window after start-up is skipped as warm-up).
+        log_summary: print the mean of all measured windows when training ends.
+    """
+
+    def __init__(self, peak_tflops: float | None = None, window: int = 10, log_summary: bool = True) -> None:
+        if window < 1:
+            raise ValueError(f"window ({window}) must be >= 1")
+        self.peak_tflops = peak_tflops
+        self.window = window
+        self.log_summary = log_summary
+        self._reset_window()
+        self._history: list[dict[str, float]] = []
+        self._warm = False
+
+    def _reset_window(self) -> None:
+        self._counts = {"samples": 0.0, "tokens": 0.0, "flops": 0.0}
+        self._start_step: int | None = None
+        self._data_wait = 0.0
+        self._window_start: float | None = None
+        self._last_batch_end: float | None = None
+
+    def _peak(self, device: torch.device) -> float | None:
+        if self.peak_tflops is not None:
+            return self.peak_tflops
+        return H200_BF16_PEAK_TFLOPS if device.type == "cuda" else None
+
+    @override
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        now = time.perf_counter()
+        if self._window_start is None:
+            _synchronize(pl_module.device)
+            self._window_start = time.perf_counter()
+            self._start_step = trainer.global_step
+        elif self._last_batch_end is not None:
+            self._data_wait += now - self._last_batch_end
+        stats = pl_module.batch_stats(batch) if hasattr(pl_module, "batch_stats") else {}
+        for key in self._counts:
+            self._counts[key] += float(stats.get(key, 0.0))
+
+    @override
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._last_batch_end = time.perf_counter()
+        steps = trainer.global_step - (self._start_step or 0)
+        if steps < self.window:
+            return
+        _synchronize(pl_module.device)
+        elapsed = time.perf_counter() - self._window_start
+        metrics = self._rates(trainer, pl_module, elapsed, steps)
+        if self._warm:
+            self._history.append(metrics)
+            pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+        self._warm = True
+        self._reset_window()
+
+    def _rates(
+        self, trainer: Trainer, pl_module: LightningModule, elapsed: float, steps: int
+    ) -> dict[str, float]:
+        world = trainer.world_size
+        metrics = {"throughput/step_time_s": elapsed / steps}
+        for key in ("samples", "tokens"):
+            if self._counts[key]:
+                metrics[f"throughput/{key}_per_sec_per_device"] = self._counts[key] / elapsed
+                metrics[f"throughput/{key}_per_sec"] = self._counts[key] * world / elapsed
+        if self._counts["flops"]:
+            tflops = self._counts["flops"] / elapsed / 1e12
+            metrics["throughput/tflops_per_device"] = tflops
+            peak = self._peak(pl_module.device)
+            if peak:
+                metrics["throughput/mfu"] = tflops / peak
+        metrics["throughput/data_wait_pct"] = 100.0 * self._data_wait / elapsed
+        metrics["memory/peak_gb"] = _peak_memory_gb(pl_module.device)
+        return metrics
+
+    @override
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not (self.log_summary and self._history):
+            return
+        keys = self._history[0].keys()
+        mean = {k: sum(h[k] for h in self._history) / len(self._history) for k in keys}
+        parts = [f"{k.split('/')[-1]}={v:.4g}" for k, v in mean.items()]
+        rank_zero_info(
+            f"throughput over {len(self._history)} windows of {self.window} steps: " + ", ".join(parts)
+        )
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _peak_memory_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    # ru_maxrss is KiB on Linux, bytes on macOS: the process's peak resident set.
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale / 1e9

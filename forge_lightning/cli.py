@@ -1,0 +1,77 @@
+"""The ``forge`` command: LightningCLI with forge-lightning's defaults.
+
+``forge fit|validate|test|predict --config x.yaml [--trainer.max_steps 50] [--optimizer.lr 3e-4]``. The model and
+data are chosen by ``class_path`` in YAML; ``optimizer`` and ``scheduler`` are top-level sections handed to the
+model. Every run saves its resolved config next to its logs and checkpoints.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
+from lightning.pytorch.plugins.io import CheckpointIO
+from typing_extensions import override
+
+from forge_lightning.optim import OptimizerConfig, SchedulerConfig
+from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
+
+
+class ForgeCLI(LightningCLI):
+    """LightningCLI whose model and data are any LightningModule / LightningDataModule chosen by class_path.
+
+    Adds top-level ``optimizer`` and ``scheduler`` sections (linked into the model), a rich progress bar and
+    atomic, ``weights_only`` checkpoint I/O by default.
+    """
+
+    def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        super().__init__(
+            LightningModule,
+            LightningDataModule,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            auto_configure_optimizers=False,
+            args=args,
+            **kwargs,
+        )
+
+    @override
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        parser.add_class_arguments(OptimizerConfig, "optimizer", fail_untyped=True, sub_configs=True)
+        parser.add_class_arguments(SchedulerConfig, "scheduler", fail_untyped=True, sub_configs=True)
+        parser.link_arguments("optimizer", "model.init_args.optimizer", apply_on="instantiate")
+        parser.link_arguments("scheduler", "model.init_args.scheduler", apply_on="instantiate")
+
+    @override
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
+        callbacks = list(callbacks)
+        configured = list(config.get("callbacks") or [])
+        has_bar = any(isinstance(cb, ProgressBar) for cb in configured + callbacks)
+        if config.get("enable_progress_bar", True) is not False and not has_bar:
+            callbacks.append(RichProgressBar(leave=True))
+        plugins = config.get("plugins")
+        plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
+        if not any(isinstance(p, CheckpointIO) for p in plugins) and _accepts_checkpoint_io(
+            config.get("strategy")
+        ):
+            plugins.append(AtomicCheckpointIO())
+        config["plugins"] = plugins or None
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def _accepts_checkpoint_io(strategy: Any) -> bool:
+    """Strategies that write sharded checkpoints own their I/O; the rest take the default plugin."""
+    return not getattr(strategy, "owns_checkpoint_io", False)
+
+
+def main(args: list[str] | None = None) -> None:
+    """Entry point of ``forge`` and ``python -m forge_lightning``."""
+    ForgeCLI(args=sys.argv[1:] if args is None else args)
+
+
+if __name__ == "__main__":
+    main()

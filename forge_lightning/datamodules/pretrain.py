@@ -1,0 +1,187 @@
+"""Pre-training data: fixed-length token samples from Megatron indexed datasets, blended and resumable."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import Dataset
+from typing_extensions import override
+
+from forge_lightning.datamodules.gpt_dataset import BlendedDataset, TokenSequenceDataset, split_documents
+from forge_lightning.datamodules.indexed import IndexedDataset
+from forge_lightning.datamodules.loader import ShardedLoader, StepLoader
+from forge_lightning.datamodules.tokenizer import load_tokenizer
+
+
+class PretrainDataModule(pl.LightningDataModule):
+    """Fixed-length language-modelling samples from one or more ``forge-data pretrain`` datasets.
+
+    Each dataset's documents are split into train / validation by document ranges (``split``), concatenated with
+    their end-of-document tokens and cut into ``seq_length`` windows. Several datasets are mixed by ``weights``.
+    The training loader's position is saved in checkpoints, so a resumed run sees exactly the samples the
+    uninterrupted run would have seen.
+
+    Args:
+        data_prefix: path prefix (or list of prefixes) of ``PREFIX.bin`` / ``PREFIX.idx`` datasets.
+        tokenizer: Hugging Face tokenizer directory the data was tokenized with.
+        weights: blend weights, one per prefix (default: proportional to each dataset's training tokens).
+        seq_length: tokens per sample.
+        batch_size: micro-batch per data-parallel rank.
+        split: train / validation weights over documents, e.g. ``"98,2"``.
+        num_train_samples: training samples per epoch (default: one pass over the training documents).
+        num_val_samples: validation samples (default: one pass over the validation documents).
+        seed: seed of the document shuffle, the blend and the per-epoch sample order.
+        num_workers: DataLoader workers per rank.
+        pin_memory: pin host memory (useful on CUDA).
+        reset_position_ids: restart positions at every document boundary inside a sample.
+    """
+
+    def __init__(
+        self,
+        data_prefix: str | list[str],
+        tokenizer: str,
+        *,
+        weights: list[float] | None = None,
+        seq_length: int = 1024,
+        batch_size: int = 8,
+        split: str = "98,2",
+        num_train_samples: int | None = None,
+        num_val_samples: int | None = None,
+        seed: int = 1234,
+        num_workers: int = 2,
+        pin_memory: bool = True,
+        reset_position_ids: bool = False,
+    ) -> None:
+        super().__init__()
+        self.prefixes = [data_prefix] if isinstance(data_prefix, str) else list(data_prefix)
+        if not self.prefixes:
+            raise ValueError("data_prefix is empty: give at least one dataset prefix")
+        if weights is not None and len(weights) != len(self.prefixes):
+            raise ValueError(f"weights has {len(weights)} entries but data_prefix has {len(self.prefixes)}")
+        if seq_length < 1 or batch_size < 1:
+            raise ValueError(f"seq_length ({seq_length}) and batch_size ({batch_size}) must be positive")
+        self.tokenizer_path = tokenizer
+        self.weights = weights
+        self.seq_length = seq_length
+        self.batch_size = batch_size
+        self.split = split
+        self.num_train_samples = num_train_samples
+        self.num_val_samples = num_val_samples
+        self.seed = seed
+        self.num_workers = num_workers
+        self.pin_memory = pin_memory
+        self.reset_position_ids = reset_position_ids
+        self._tokenizer: Any = None
+        self.train_dataset: Dataset | None = None
+        self.val_dataset: Dataset | None = None
+        self._train_loader: StepLoader | None = None
+        self._train_loader_state: dict[str, int] | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        """The tokenizer (loaded on first use)."""
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.tokenizer_path)
+        return self._tokenizer
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of token ids the tokenizer can produce."""
+        return self.tokenizer.vocab_size
+
+    @override
+    def setup(self, stage: str) -> None:
+        if self.train_dataset is not None:
+            return
+        indexed = [self._open(prefix) for prefix in self.prefixes]
+        train_parts, val_parts = [], []
+        for data in indexed:
+            train_docs, val_docs, *_ = split_documents(len(data), self.split, seed=self.seed)
+            train_parts.append(self._sequences(data, train_docs))
+            val_parts.append(self._sequences(data, val_docs) if len(val_docs) else None)
+        self.train_dataset = self._blend(train_parts, self.num_train_samples)
+        vals = [v for v in val_parts if v is not None and len(v) > 0]
+        self.val_dataset = self._blend(vals, self.num_val_samples) if vals else None
+        rank_zero_info(
+            f"pretrain data: {len(self.train_dataset)} train / "
+            f"{0 if self.val_dataset is None else len(self.val_dataset)} val samples of {self.seq_length} tokens "
+            f"from {len(self.prefixes)} dataset(s)"
+        )
+
+    def _open(self, prefix: str) -> IndexedDataset:
+        if not (Path(f"{prefix}.bin").exists() and Path(f"{prefix}.idx").exists()):
+            raise FileNotFoundError(
+                f"data prefix {prefix!r} not found: expected {prefix}.bin and {prefix}.idx. Create them with "
+                f"`forge-data pretrain --input FILES --tokenizer {self.tokenizer_path} --output-prefix {prefix}`"
+            )
+        return IndexedDataset(prefix)
+
+    def _sequences(self, data: IndexedDataset, documents: Any) -> TokenSequenceDataset:
+        return TokenSequenceDataset(
+            data,
+            self.seq_length,
+            documents,
+            seed=self.seed,
+            reset_position_ids=self.reset_position_ids,
+        )
+
+    def _blend(self, parts: list[Dataset], num_samples: int | None) -> Dataset:
+        if len(parts) == 1 and num_samples is None:
+            return parts[0]
+        weights = self.weights if self.weights is not None and len(parts) == len(self.weights) else None
+        if weights is None:
+            weights = [float(len(p)) for p in parts]  # type: ignore[arg-type]
+        total = num_samples if num_samples is not None else sum(len(p) for p in parts)  # type: ignore[arg-type]
+        return BlendedDataset(parts, weights, total, seed=self.seed)
+
+    def _dp(self) -> tuple[int, int]:
+        """(data-parallel size, data-parallel rank) from the trainer's strategy."""
+        if self.trainer is None:
+            return 1, 0
+        strategy = self.trainer.strategy
+        size = getattr(strategy, "data_parallel_size", None) or self.trainer.world_size
+        rank = getattr(strategy, "data_parallel_rank", None)
+        return size, self.trainer.global_rank if rank is None else rank
+
+    @override
+    def train_dataloader(self) -> StepLoader:
+        size, rank = self._dp()
+        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
+        self._train_loader = StepLoader(
+            self.train_dataset,
+            batch_size=self.batch_size,
+            num_replicas=size,
+            rank=rank,
+            accumulate=accumulate,
+            seed=self.seed,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
+        return self._train_loader
+
+    @override
+    def val_dataloader(self) -> ShardedLoader | list:
+        if self.val_dataset is None:
+            return []
+        size, rank = self._dp()
+        return ShardedLoader(
+            self.val_dataset,
+            batch_size=self.batch_size,
+            num_replicas=size,
+            rank=rank,
+            num_workers=self.num_workers,
+            pin_memory=self.pin_memory,
+        )
+
+    @override
+    def test_dataloader(self) -> ShardedLoader | list:
+        return self.val_dataloader()
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        if self.trainer is not None and self.trainer.training and self._train_loader is not None:
+            self._train_loader.mark_consumed()
+        return batch

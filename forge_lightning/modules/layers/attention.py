@@ -1,0 +1,182 @@
+"""Attention: the scaled-dot-product kernel call, the GQA self-attention block and its KV cache.
+
+Data flow of :class:`Attention` (B batch, S new tokens, H query heads, K key/value heads, D head size)::
+
+    x [B,S,hidden] ─┬─ q_proj ─ view [B,S,H,D] ─ q_norm ─ RoPE ─┐
+                    ├─ k_proj ─ view [B,S,K,D] ─ k_norm ─ RoPE ─┼─ (KV cache) ─ attention() ─ o_proj
+                    └─ v_proj ─ view [B,S,K,D] ─────────────────┘
+
+:func:`attention` is the one place a kernel is chosen, so other backends (FlexAttention, varlen) plug in there
+without touching model code.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from forge_lightning.modules.layers.mlp import init_linear
+from forge_lightning.modules.layers.norms import RMSNorm
+from forge_lightning.modules.layers.rope import apply_rotary
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, mask: Tensor | None = None) -> Tensor:
+    """Scaled dot-product attention over ``[B, H, S, D]`` tensors, with grouped-query key/value heads.
+
+    When ``causal``, queries are the *last* ``S_q`` positions of the ``S_kv`` keys (bottom-right alignment), so
+    a chunk appended to a KV cache attends to every cached position and causally within itself.
+
+    Args:
+        q: queries ``[B, H, S_q, D]``.
+        k: keys ``[B, K, S_kv, D]``; ``K`` must divide ``H`` (each key/value head serves ``H / K`` query heads).
+        v: values ``[B, K, S_kv, D]``.
+        causal: apply the causal constraint.
+        mask: optional boolean (True = attend) or additive float mask broadcastable to ``[B, 1, S_q, S_kv]``;
+            it restricts attention further (e.g. to one packed document) and is combined with the causal mask.
+
+    Returns:
+        ``[B, H, S_q, D]``.
+    """
+    num_rep = q.shape[1] // k.shape[1]
+    if num_rep > 1:
+        # Expanded explicitly: SDPA's `enable_gqa` is not honoured by every backend (masked inputs fall back).
+        k, v = k.repeat_interleave(num_rep, dim=1), v.repeat_interleave(num_rep, dim=1)
+    q_len, kv_len = q.shape[2], k.shape[2]
+    if causal and mask is None and q_len == kv_len:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    if causal and q_len > 1:
+        mask = _with_causal(mask, q_len, kv_len, q.device)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def _with_causal(mask: Tensor | None, q_len: int, kv_len: int, device: torch.device) -> Tensor:
+    """Bottom-right causal boolean mask ``[q_len, kv_len]`` merged with an optional boolean or additive mask."""
+    q_pos = torch.arange(kv_len - q_len, kv_len, device=device)
+    causal_QK = q_pos[:, None] >= torch.arange(kv_len, device=device)[None, :]
+    if mask is None:
+        return causal_QK
+    if mask.dtype == torch.bool:
+        return mask & causal_QK
+    return torch.where(causal_QK, mask, torch.full((), float("-inf"), dtype=mask.dtype, device=device))
+
+
+class KVCache:
+    """Preallocated keys and values of one attention layer, for incremental decoding.
+
+    Args:
+        batch_size: number of sequences decoded together (all share the same length).
+        num_kv_heads: key/value heads of the layer.
+        max_len: most positions the cache can hold (prompt plus new tokens).
+        head_dim: size of one head.
+        dtype: storage dtype (the model's compute dtype).
+        device: storage device.
+    """
+
+    def __init__(
+        self,
+        batch_size: int,
+        num_kv_heads: int,
+        max_len: int,
+        head_dim: int,
+        *,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str | None = None,
+    ) -> None:
+        shape = (batch_size, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.k.shape[2]
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Append ``[B, K, S, D]`` keys and values; return every cached position ``[B, K, length, D]``."""
+        end = self.length + k.shape[2]
+        if end > self.max_len:
+            raise ValueError(
+                f"KV cache overflow: {end} positions needed, the cache holds max_len ({self.max_len})"
+            )
+        self.k[:, :, self.length : end] = k
+        self.v[:, :, self.length : end] = v
+        self.length = end
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+    def reset(self) -> None:
+        """Forget the cached positions (the storage is reused)."""
+        self.length = 0
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention with grouped key/value heads (GQA / MQA), RoPE and optional per-head q/k norm.
+
+    Submodule names follow Hugging Face (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``).
+
+    Args:
+        hidden_size: model width.
+        num_heads: query heads.
+        num_kv_heads: key/value heads (divides ``num_heads``).
+        head_dim: size of one head (may differ from ``hidden_size / num_heads``).
+        qkv_bias: bias on the q/k/v projections (Qwen2).
+        o_bias: bias on the output projection.
+        qk_norm: RMSNorm over each query and key head before RoPE (Qwen3).
+        norm_eps: epsilon of the q/k norms.
+        init_std: standard deviation of the normal initialisation of the projection weights.
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        norm_eps: float = 1e-6,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
+        self.init_std = init_std
+        self.q_proj = nn.Linear(hidden_size, num_heads * head_dim, bias=qkv_bias)
+        self.k_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.v_proj = nn.Linear(hidden_size, num_kv_heads * head_dim, bias=qkv_bias)
+        self.o_proj = nn.Linear(num_heads * head_dim, hidden_size, bias=o_bias)
+        self.q_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
+        self.k_norm = RMSNorm(head_dim, norm_eps) if qk_norm else nn.Identity()
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
+            init_linear(proj, self.init_std)
+
+    def forward(
+        self,
+        x_BSD: Tensor,
+        rope: tuple[Tensor, Tensor],
+        *,
+        kv_cache: KVCache | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        """Attend ``x`` ``[B, S, hidden]`` to itself (and to ``kv_cache``'s positions); return ``[B, S, hidden]``.
+
+        Args:
+            x_BSD: normalised hidden states.
+            rope: ``(cos, sin)`` for the new positions, from :class:`~forge_lightning.modules.layers.RotaryEmbedding`.
+            kv_cache: this layer's cache; the new keys/values are appended to it.
+            mask: optional extra mask, see :func:`attention`.
+        """
+        B, S, _ = x_BSD.shape
+        q_BSHD = self.q_norm(self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim))
+        k_BSKD = self.k_norm(self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim))
+        v_BSKD = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim)
+        q_BSHD, k_BSKD = apply_rotary(q_BSHD, *rope), apply_rotary(k_BSKD, *rope)
+        q, k, v = q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)  # [B, heads, S, D]
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
+        out_BHSD = attention(q, k, v, causal=True, mask=mask)
+        return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))

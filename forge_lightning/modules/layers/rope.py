@@ -1,0 +1,129 @@
+"""Rotary position embeddings (RoPE, Su et al. 2021) with the Hugging Face rope types we support.
+
+Rotation convention: the head dimension is split into two halves ``(x1, x2)`` that are rotated as pairs
+``(x1[i], x2[i])`` ("rotate half"), which is the layout of Hugging Face Llama / Qwen / Mistral checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+ROPE_TYPES: tuple[str, ...] = ("default", "linear", "llama3")
+"""Rope types (Hugging Face ``rope_type``) this module implements."""
+
+ROPE_SCALING_KEYS: dict[str, frozenset[str]] = {
+    "linear": frozenset({"factor"}),
+    "llama3": frozenset(
+        {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}
+    ),
+}
+"""Parameters each scaled rope type needs (besides ``rope_type``)."""
+
+
+def rope_inv_freq(
+    head_dim: int,
+    theta: float,
+    scaling: Mapping[str, Any] | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> Tensor:
+    """Inverse frequencies ``theta ** (-2i / head_dim)`` for ``i < head_dim / 2``, scaled per rope type, in fp32.
+
+    Args:
+        head_dim: size of one attention head (even).
+        theta: RoPE base wavelength.
+        scaling: ``None`` for plain RoPE, else a dict with ``rope_type`` (``linear`` or ``llama3``) and the
+            parameters in :data:`ROPE_SCALING_KEYS`.
+        device: where to build the tensor.
+
+    Returns:
+        Tensor of shape ``[head_dim // 2]`` (fp32).
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
+    inv_freq = 1.0 / (theta**exponents)
+    rope_type = "default" if scaling is None else scaling["rope_type"]
+    if rope_type == "default":
+        return inv_freq
+    if rope_type == "linear":
+        return inv_freq / scaling["factor"]
+    if rope_type == "llama3":
+        return _llama3_scaled(inv_freq, scaling)
+    raise ValueError(f"rope_type ({rope_type!r}) is not supported; supported: {', '.join(ROPE_TYPES)}")
+
+
+def _llama3_scaled(inv_freq: Tensor, scaling: Mapping[str, Any]) -> Tensor:
+    # Llama 3.1 frequency scaling: wavelengths shorter than old_len / high_freq_factor keep their frequency,
+    # those longer than old_len / low_freq_factor are divided by `factor`, and the band in between blends the
+    # two linearly in old_len / wavelength (the clamp selects the two outer cases exactly).
+    factor = scaling["factor"]
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old_len = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """Produces the RoPE ``cos`` / ``sin`` tables for given positions, once per forward, shared by every layer.
+
+    ``inv_freq`` is a non-persistent fp32 buffer (never in the state dict); it is rebuilt by
+    :meth:`reset_parameters` (after ``to_empty``) and kept in fp32 when the module is cast to a lower precision.
+
+    Args:
+        head_dim: size of one attention head (even).
+        theta: RoPE base wavelength.
+        scaling: optional rope scaling, see :func:`rope_inv_freq`.
+    """
+
+    inv_freq: Tensor
+
+    def __init__(
+        self, head_dim: int, theta: float = 10000.0, scaling: Mapping[str, Any] | None = None
+    ) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.theta = theta
+        self.scaling = dict(scaling) if scaling is not None else None
+        self.register_buffer("inv_freq", torch.empty(head_dim // 2, dtype=torch.float32), persistent=False)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling, device=self.inv_freq.device)
+
+    def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Return ``(cos, sin)`` of shape ``[B, S, head_dim // 2]`` in fp32 for ``position_ids`` ``[B, S]``."""
+        angles_BSF = position_ids.float()[..., None] * self.inv_freq
+        return angles_BSF.cos(), angles_BSF.sin()
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> RotaryEmbedding:
+        # `Module.to(dtype)` / `.half()` cast every floating buffer; RoPE angles need fp32 frequencies (bf16
+        # frequencies shift long-range positions by whole radians), so rebuild them after such a cast.
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.reset_parameters()
+        return self
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
+
+
+def apply_rotary(x_BSHD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate query or key heads by their positions' angles (computed in fp32, returned in ``x``'s dtype).
+
+    Args:
+        x_BSHD: queries or keys, ``[B, S, H, D]``.
+        cos: ``[B, S, D // 2]`` from :class:`RotaryEmbedding`.
+        sin: ``[B, S, D // 2]`` from :class:`RotaryEmbedding`.
+
+    Returns:
+        Tensor shaped like ``x_BSHD``.
+    """
+    x1, x2 = x_BSHD.float().chunk(2, dim=-1)
+    cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # [B, S, 1, D/2]: broadcast over heads
+    rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return rotated.to(x_BSHD.dtype)

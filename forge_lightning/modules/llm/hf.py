@@ -1,0 +1,295 @@
+"""Hugging Face interchange: read and write safetensors checkpoints with their ``config.json``.
+
+Parameter names are identical on both sides (see :mod:`forge_lightning.modules.llm.model`), so the mapping is
+the identity, except that a tied ``lm_head.weight`` is absent from Hugging Face files and rotary ``inv_freq``
+buffers found in old checkpoints are ignored. Pickle-based ``*.bin`` files are never read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor
+
+from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.llm.model import DecoderLM
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+_TIED_HEAD = "lm_head.weight"
+_EMBEDDING = "model.embed_tokens.weight"
+
+# Fields that change the computed function: a checkpoint must agree with the model on all of them. Token ids,
+# dtype, initializer_range and max_position_embeddings may differ (e.g. when extending the context).
+_COMPATIBILITY_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_layers",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "rope_scaling",
+    "attention_bias",
+    "o_proj_bias",
+    "mlp_bias",
+    "qk_norm",
+    "tie_word_embeddings",
+)
+
+
+def load_hf_state_dict(
+    path: str | os.PathLike[str], *, device: str | torch.device = "cpu"
+) -> dict[str, Tensor]:
+    """Read every tensor of a Hugging Face safetensors checkpoint.
+
+    Args:
+        path: a checkpoint directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``) or
+            a single ``.safetensors`` file.
+        device: where to put the tensors.
+
+    Raises:
+        FileNotFoundError: the path does not exist, holds no safetensors weights, or its index names a
+            missing shard.
+        ValueError: the checkpoint only has pickle (``.bin`` / ``.pt``) weights, which are never loaded.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"checkpoint path {path} does not exist")
+    if path.is_file():
+        _refuse_pickle([path], path)
+        return _read_safetensors(path, device)
+    if (path / SAFETENSORS_INDEX).is_file():
+        return _read_sharded(path, device)
+    if (path / SAFETENSORS_FILE).is_file():
+        return _read_safetensors(path / SAFETENSORS_FILE, device)
+    _refuse_pickle(sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")), path)
+    others = sorted(p.name for p in path.glob("*.safetensors"))
+    hint = f" (found {others} but no {SAFETENSORS_INDEX} naming them)" if others else ""
+    raise FileNotFoundError(f"no {SAFETENSORS_FILE} or {SAFETENSORS_INDEX} in {path}{hint}")
+
+
+def _refuse_pickle(files: list[Path], where: Path) -> None:
+    pickles = [f.name for f in files if f.suffix in (".bin", ".pt")]
+    if pickles:
+        raise ValueError(
+            f"{where} holds pickle weights ({', '.join(pickles)}), which are never loaded because unpickling can "
+            "run arbitrary code. Convert them once in a trusted environment, e.g. "
+            "`AutoModelForCausalLM.from_pretrained(src).save_pretrained(dst, safe_serialization=True)`, "
+            "and load the safetensors copy."
+        )
+
+
+def _read_safetensors(file: Path, device: str | torch.device) -> dict[str, Tensor]:
+    with safe_open(file, framework="pt", device=str(device)) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
+
+
+def _read_sharded(path: Path, device: str | torch.device) -> dict[str, Tensor]:
+    index_file = path / SAFETENSORS_INDEX
+    weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
+    state: dict[str, Tensor] = {}
+    for shard in sorted(set(weight_map.values())):
+        if not (path / shard).is_file():
+            raise FileNotFoundError(f"{index_file} names shard {shard!r}, which is missing from {path}")
+        tensors = _read_safetensors(path / shard, device)
+        wanted = {name for name, file in weight_map.items() if file == shard}
+        absent = wanted - tensors.keys()
+        if absent:
+            raise ValueError(f"shard {shard!r} lacks tensors its index assigns to it: {sorted(absent)}")
+        state.update((name, tensors[name]) for name in wanted)
+    return state
+
+
+def check_compatible(model_config: LLMConfig, checkpoint_config: LLMConfig) -> None:
+    """Raise ``ValueError`` naming every architecture field on which a checkpoint differs from the model."""
+    diffs = [
+        f"{name}: checkpoint {getattr(checkpoint_config, name)!r}, model {getattr(model_config, name)!r}"
+        for name in _COMPATIBILITY_FIELDS
+        if getattr(checkpoint_config, name) != getattr(model_config, name)
+    ]
+    if diffs:
+        raise ValueError("checkpoint config does not match the model:\n  " + "\n  ".join(diffs))
+
+
+def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM:
+    """Load a Hugging Face checkpoint directory into ``model`` strictly (in place; also returned).
+
+    The checkpoint's ``config.json`` must match ``model.config`` (see :func:`check_compatible`). Tensors are
+    cast to the model's parameter dtypes. The model must be materialised (not on the meta device).
+
+    Args:
+        model: the model to fill.
+        path: directory with ``config.json`` and safetensors weights.
+
+    Raises:
+        FileNotFoundError: no ``config.json`` or weights in ``path``.
+        ValueError: the model is on the meta device, the config is incompatible, or tensors are missing,
+            unexpected or of the wrong shape (all named).
+    """
+    path = Path(path)
+    if any(p.is_meta for p in model.parameters()):
+        raise ValueError("model is on the meta device; materialise it first (model.to_empty(device=...))")
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"no config.json in {path}")
+    check_compatible(model.config, LLMConfig.load(path / "config.json"))
+    state = {k: v for k, v in load_hf_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.config.tie_word_embeddings and _TIED_HEAD in state:
+        head = state.pop(_TIED_HEAD)
+        if _EMBEDDING in state and not torch.equal(head, state[_EMBEDDING]):
+            raise ValueError(f"config ties the embeddings but {_TIED_HEAD} differs from {_EMBEDDING}")
+    expected = {
+        k: v
+        for k, v in model.state_dict().items()
+        if not (model.config.tie_word_embeddings and k == _TIED_HEAD)
+    }
+    problems = [f"missing: {k}" for k in expected if k not in state]
+    problems += [f"unexpected: {k}" for k in state if k not in expected]
+    problems += [
+        f"shape mismatch: {k}: checkpoint {tuple(state[k].shape)}, model {tuple(v.shape)}"
+        for k, v in expected.items()
+        if k in state and state[k].shape != v.shape
+    ]
+    if problems:
+        raise ValueError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
+    if model.config.tie_word_embeddings:
+        state[_TIED_HEAD] = state[_EMBEDDING]
+    model.load_state_dict(state, strict=True)
+    return model
+
+
+def save_pretrained(
+    model: DecoderLM,
+    config: LLMConfig,
+    out_dir: str | os.PathLike[str],
+    dtype: torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Export ``model`` as a Hugging Face checkpoint directory (``config.json``, safetensors, index if sharded).
+
+    Everything is written to a temporary sibling directory that is renamed into place at the end, so an
+    interrupted export never leaves a half-written ``out_dir``.
+
+    Args:
+        model: the model to export (full, unsharded tensors on any device).
+        config: its configuration (written as ``config.json``; ``torch_dtype`` is set to the saved dtype).
+        out_dir: destination directory.
+        dtype: cast floating tensors to this dtype; default keeps each tensor's dtype.
+        max_shard_size: largest shard, in bytes or as a string (``"5GB"``, ``"500MB"``, ``"2GiB"``).
+        overwrite: replace an existing non-empty ``out_dir`` (otherwise that is an error).
+
+    Returns:
+        The output directory.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
+    tensors = _export_tensors(model, config, dtype)
+    saved_dtype = next(iter(tensors.values())).dtype
+    hf_config = config.to_hf()
+    hf_config["torch_dtype"] = hf_config["dtype"] = str(saved_dtype).removeprefix("torch.")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
+    try:
+        _write_json(tmp / "config.json", hf_config)
+        generation = {
+            k: hf_config[k]
+            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+            if hf_config[k] is not None
+        }
+        if generation:
+            _write_json(tmp / "generation_config.json", generation)
+        _write_shards(tensors, tmp, _parse_size(max_shard_size))
+        _replace_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _export_tensors(model: DecoderLM, config: LLMConfig, dtype: torch.dtype | None) -> dict[str, Tensor]:
+    tensors = {}
+    for name, tensor in model.state_dict().items():
+        if config.tie_word_embeddings and name == _TIED_HEAD:
+            continue  # Hugging Face files store the tied matrix once, as the embedding
+        tensor = tensor.detach()
+        if dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(dtype)
+        tensors[name] = tensor.cpu().contiguous()
+    return tensors
+
+
+def _write_shards(tensors: dict[str, Tensor], out: Path, max_bytes: int) -> None:
+    shards: list[dict[str, Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    if len(shards) == 1:
+        save_file(shards[0], out / SAFETENSORS_FILE, metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    _write_json(out / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """Move ``src`` to ``dst``; an existing ``dst`` is only removed once ``src`` is in place."""
+    if not dst.exists():
+        src.rename(dst)
+        return
+    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
+    dst.rename(old)  # onto the fresh empty directory: POSIX rename replaces it
+    src.rename(dst)
+    shutil.rmtree(old)
+
+
+def _write_json(file: Path, data: dict) -> None:
+    file.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+}
+
+
+def _parse_size(size: int | str) -> int:
+    """Bytes from ``5000``, ``"5GB"`` (decimal, as Hugging Face) or ``"2GiB"`` (binary)."""
+    if isinstance(size, int):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*", size)
+        unit = (match.group(2).upper() or "B") if match else None
+        if unit not in _UNITS:
+            raise ValueError(f"max_shard_size ({size!r}) must be bytes or a size like '5GB', '500MB', '2GiB'")
+        value = int(float(match.group(1)) * _UNITS[unit])
+    if value <= 0:
+        raise ValueError(f"max_shard_size ({size!r}) must be positive")
+    return value

@@ -1,0 +1,203 @@
+"""The dense decoder LM as a plain ``nn.Module``.
+
+Submodule names follow Hugging Face (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ...,
+``model.norm``, ``lm_head``), so a checkpoint's state dict loads one to one::
+
+    input_ids ─ embed_tokens ─ [DecoderLayer] x num_layers ─ norm ─ (hidden_states) ─ lm_head ─ logits
+                                 x + attn(norm(x)); x + mlp(norm(x))
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from forge_lightning.modules.layers import Attention, GatedMLP, KVCache, RMSNorm, RotaryEmbedding
+from forge_lightning.modules.llm.config import LLMConfig
+
+
+class DecoderLayer(nn.Module):
+    """Pre-norm transformer block: attention then SwiGLU MLP, each around a residual connection.
+
+    Args:
+        config: the model's configuration.
+    """
+
+    def __init__(self, config: LLMConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(
+            config.hidden_size,
+            config.num_heads,
+            config.num_kv_heads,
+            config.head_dim,
+            qkv_bias=config.attention_bias,
+            o_bias=config.o_proj_bias,
+            qk_norm=config.qk_norm,
+            norm_eps=config.rms_norm_eps,
+            init_std=config.initializer_range,
+        )
+        self.mlp = GatedMLP(
+            config.hidden_size,
+            config.intermediate_size,
+            bias=config.mlp_bias,
+            init_std=config.initializer_range,
+        )
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        x_BSD: Tensor,
+        rope: tuple[Tensor, Tensor],
+        *,
+        kv_cache: KVCache | None = None,
+        mask: Tensor | None = None,
+    ) -> Tensor:
+        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rope, kv_cache=kv_cache, mask=mask)
+        return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
+
+
+class DecoderModel(nn.Module):
+    """Embedding, decoder layers and final norm (Hugging Face's ``model`` submodule).
+
+    Args:
+        config: the model's configuration.
+    """
+
+    def __init__(self, config: LLMConfig) -> None:
+        super().__init__()
+        self.init_std = config.initializer_range
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.init_std)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        *,
+        kv_cache: list[KVCache] | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Final-normed hidden states ``[B, S, hidden]``; see :meth:`DecoderLM.forward` for the arguments."""
+        if position_ids is None:
+            start = kv_cache[0].length if kv_cache is not None else 0
+            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[
+                None
+            ]  # [1, S]
+        rope = self.rotary_emb(position_ids)
+        x_BSD = self.embed_tokens(input_ids)
+        for i, layer in enumerate(self.layers):
+            x_BSD = layer(
+                x_BSD, rope, kv_cache=None if kv_cache is None else kv_cache[i], mask=attention_mask
+            )
+        return self.norm(x_BSD)
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only causal LM (Llama / Qwen2 / Qwen3 / Mistral family) with Hugging Face parameter names.
+
+    Build on the meta device for large sizes, then ``to_empty(device=...)`` and :meth:`init_weights`.
+
+    Args:
+        config: the model's configuration.
+    """
+
+    def __init__(self, config: LLMConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = DecoderModel(config)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.init_weights()
+
+    def tie_weights(self) -> None:
+        """Make ``lm_head.weight`` the embedding matrix when the config ties them (no-op otherwise)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def reset_parameters(self) -> None:
+        if not self.config.tie_word_embeddings:
+            nn.init.normal_(self.lm_head.weight, mean=0.0, std=self.config.initializer_range)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter and rebuild the RoPE buffers, e.g. after ``to_empty``.
+
+        Linear and Embedding weights are drawn from ``N(0, initializer_range)`` and biases zeroed by the block
+        that owns them; norms are set to one. Weight tying is restored first (``to_empty`` breaks it).
+        """
+        self.tie_weights()
+        for module in self.modules():
+            # Linear / Embedding layers are initialised by their owner (their own reset is Kaiming-uniform).
+            if not isinstance(module, (nn.Linear, nn.Embedding)) and hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        *,
+        kv_cache: list[KVCache] | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Final-normed hidden states ``[B, S, hidden]`` (what a fused / chunked cross-entropy consumes).
+
+        Arguments as for :meth:`forward`.
+        """
+        return self.model(input_ids, position_ids, kv_cache=kv_cache, attention_mask=attention_mask)
+
+    def forward(
+        self,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        *,
+        kv_cache: list[KVCache] | None = None,
+        attention_mask: Tensor | None = None,
+    ) -> Tensor:
+        """Logits ``[B, S, vocab]`` for token ids ``[B, S]``.
+
+        Args:
+            input_ids: token ids ``[B, S]``.
+            position_ids: positions ``[B, S]`` (or ``[1, S]``); default ``0..S-1`` after the cached positions.
+            kv_cache: one :class:`KVCache` per layer (see :meth:`init_kv_cache`); the new keys/values are
+                appended and attention covers every cached position (causal within the new tokens).
+            attention_mask: optional boolean (True = attend) or additive mask broadcastable to
+                ``[B, 1, S, S_kv]``, combined with the causal mask (e.g. block-diagonal for packed documents).
+        """
+        return self.lm_head(
+            self.hidden_states(input_ids, position_ids, kv_cache=kv_cache, attention_mask=attention_mask)
+        )
+
+    def init_kv_cache(
+        self,
+        batch_size: int,
+        max_len: int,
+        *,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> list[KVCache]:
+        """Empty per-layer KV caches for ``batch_size`` sequences of up to ``max_len`` positions.
+
+        Args:
+            batch_size: sequences decoded together.
+            max_len: prompt plus generated tokens.
+            dtype: cache dtype; defaults to the model's parameter dtype.
+            device: cache device; defaults to the model's device.
+        """
+        weight = self.model.embed_tokens.weight
+        c = self.config
+        return [
+            KVCache(
+                batch_size,
+                c.num_kv_heads,
+                max_len,
+                c.head_dim,
+                dtype=dtype or weight.dtype,
+                device=device or weight.device,
+            )
+            for _ in range(c.num_layers)
+        ]

@@ -1,0 +1,288 @@
+"""``CausalLM``: the LightningModule of decoder-only language models (pre-training; SFT and LoRA build on it)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from typing_extensions import override
+
+from forge_lightning.kernels import fused_linear_cross_entropy
+from forge_lightning.modules.llm.config import LLMConfig, llm_flops_per_token
+from forge_lightning.modules.llm.generation import generate
+from forge_lightning.modules.llm.hf import load_pretrained, save_pretrained
+from forge_lightning.modules.llm.model import DecoderLM
+from forge_lightning.modules.plan import Component, ParallelPlan
+from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
+
+# Tensor-parallel styles of one decoder layer (relative names) and of the modules around the layers.
+LLM_TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+    "mlp.gate_proj": "colwise",
+    "mlp.up_proj": "colwise",
+    "mlp.down_proj": "rowwise",
+    "input_layernorm": "sequence",
+    "post_attention_layernorm": "sequence",
+    "<root>.model.embed_tokens": "rowwise_embedding",
+    "<root>.model.norm": "sequence",
+    "<root>.lm_head": "colwise_output",
+}
+
+
+@dataclasses.dataclass(kw_only=True)
+class GenerationConfig:
+    """Decoding settings for ``predict`` and text samples.
+
+    Args:
+        max_new_tokens: tokens to generate per prompt.
+        temperature: 0 for greedy decoding, otherwise the sampling temperature.
+        top_k: sample only from the ``top_k`` most likely tokens (``None``: all).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_k: int | None = None
+
+
+def _as(cls: type, value: Any) -> Any:
+    if value is None:
+        return cls()
+    return cls(**value) if isinstance(value, dict) else value
+
+
+class CausalLM(pl.LightningModule):
+    """Decoder-only language model (Llama / Qwen2 / Qwen3 / Mistral style) built from a Hugging Face config.
+
+    The loss is the mean cross-entropy over all trainable tokens (labels != ``ignore_index``) of the global batch,
+    across gradient accumulation and data-parallel ranks, computed from the final hidden states with a fused
+    linear + cross-entropy that never materialises the full fp32 logits.
+
+    Args:
+        config: HF config: a model directory, a ``config.json`` path, a dict, or a preset name (see
+            ``forge_lightning.modules.llm.config.PRESETS``).
+        pretrained: HF model directory to load weights from (``None``: random initialisation).
+        optimizer: optimizer settings (the CLI fills it from the top-level ``optimizer`` section).
+        scheduler: learning-rate schedule (the CLI fills it from the top-level ``scheduler`` section).
+        generation: decoding settings for ``predict`` and samples.
+        z_loss: weight of the z-loss (``z_loss * logsumexp(logits)^2`` per token) that keeps logits small.
+        ignore_index: label value excluded from the loss.
+        kernel_backend: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``torch`` for fused kernels.
+    """
+
+    def __init__(
+        self,
+        config: str | dict[str, Any] = "quickstart",
+        pretrained: str | None = None,
+        *,
+        optimizer: OptimizerConfig | dict[str, Any] | None = None,
+        scheduler: SchedulerConfig | dict[str, Any] | None = None,
+        generation: GenerationConfig | dict[str, Any] | None = None,
+        z_loss: float = 0.0,
+        ignore_index: int = -100,
+        kernel_backend: str = "auto",
+    ) -> None:
+        super().__init__()
+        self.config = LLMConfig.load(config)
+        self.optimizer_config: OptimizerConfig = _as(OptimizerConfig, optimizer)
+        self.scheduler_config: SchedulerConfig = _as(SchedulerConfig, scheduler)
+        self.generation_config: GenerationConfig = _as(GenerationConfig, generation)
+        self.z_loss = z_loss
+        self.ignore_index = ignore_index
+        self.kernel_backend = kernel_backend
+        # Plain containers only, so checkpoints load with weights_only=True.
+        self.save_hyperparameters(
+            {
+                "config": self.config.to_hf(),
+                "optimizer": dataclasses.asdict(self.optimizer_config),
+                "scheduler": dataclasses.asdict(self.scheduler_config),
+                "generation": dataclasses.asdict(self.generation_config),
+                "z_loss": z_loss,
+                "ignore_index": ignore_index,
+                "kernel_backend": kernel_backend,
+            }
+        )
+        self.model = DecoderLM(self.config)
+        if pretrained is not None:
+            load_pretrained(self.model, pretrained)
+        self._loss_norm: tuple[int, torch.Tensor] | None = None
+        self._step_loss_sum: torch.Tensor | None = None
+        self._eval_sums: torch.Tensor | None = None
+        self._warned_no_step_tokens = False
+
+    # ----- construction and interchange -----------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> CausalLM:
+        """Build from a Hugging Face model directory (config.json + safetensors) and load its weights."""
+        return cls(config=str(path), pretrained=str(path), **kwargs)
+
+    @classmethod
+    def from_config(cls, config: str | Path | dict[str, Any], **kwargs: Any) -> CausalLM:
+        """Build with random weights from a HF config (directory, config.json, dict or preset name)."""
+        return cls(config=config if isinstance(config, dict) else str(config), pretrained=None, **kwargs)
+
+    def save_pretrained(
+        self, path: str | Path, dtype: torch.dtype | None = None, overwrite: bool = False
+    ) -> None:
+        """Write a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
+        if self._trainer is None or self.trainer.is_global_zero:
+            save_pretrained(self.model, self.config, path, dtype=dtype, overwrite=overwrite)
+        if self._trainer is not None:
+            self.trainer.strategy.barrier("save_pretrained")
+
+    def parallel_plan(self) -> ParallelPlan:
+        """One component, ``llm``: its decoder layers are the repeated blocks."""
+        layers = list(self.model.model.layers)
+        return ParallelPlan(
+            components=[Component(name="llm", module=self.model, blocks=layers, tp_plan=LLM_TP_PLAN)]
+        )
+
+    # ----- forward and loss ----------------------------------------------------------------------------------
+    @override
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` of ``input_ids`` ``[batch, seq]``."""
+        return self.model(input_ids, position_ids=position_ids)
+
+    def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of per-token losses, number of trainable tokens) of a micro-batch."""
+        hidden_BSH = self.model.hidden_states(batch["input_ids"], position_ids=batch.get("position_ids"))
+        labels_N = batch["labels"].reshape(-1)
+        loss = fused_linear_cross_entropy(
+            hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
+            self.model.lm_head.weight,
+            labels_N,
+            ignore_index=self.ignore_index,
+            reduction="sum",
+            z_loss=self.z_loss,
+            backend=self.kernel_backend,
+        )
+        return loss, (labels_N != self.ignore_index).sum()
+
+    def _data_parallel_size(self) -> int:
+        strategy = self.trainer.strategy
+        return getattr(strategy, "data_parallel_size", None) or self.trainer.world_size
+
+    def _global_step_tokens(self, batch: dict[str, torch.Tensor], local_tokens: torch.Tensor) -> torch.Tensor:
+        """Trainable tokens in this optimizer step over all micro-batches and data-parallel ranks."""
+        step = self.trainer.global_step
+        if self._loss_norm is not None and self._loss_norm[0] == step:
+            return self._loss_norm[1]
+        step_tokens = batch.get("step_tokens")
+        if step_tokens is None:
+            if not self._warned_no_step_tokens:
+                rank_zero_warn(
+                    "batches carry no `step_tokens`: the loss is normalised per micro-batch, so gradient "
+                    "accumulation weights micro-batches equally. Use a forge-lightning datamodule for exact "
+                    "global-batch normalisation."
+                )
+                self._warned_no_step_tokens = True
+            step_tokens = local_tokens * self.trainer.accumulate_grad_batches
+        total = self.trainer.strategy.reduce(
+            step_tokens.to(self.device, torch.float64).clone(), reduce_op="sum"
+        )
+        self._loss_norm = (step, total.clamp_min(1))
+        return self._loss_norm[1]
+
+    @override
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss_sum, local_tokens = self.loss_sum(batch)
+        total = self._global_step_tokens(batch, local_tokens)
+        detached = loss_sum.detach().to(torch.float64)
+        self._step_loss_sum = detached if self._step_loss_sum is None else self._step_loss_sum + detached
+        # Lightning divides by accumulate_grad_batches and data parallelism averages over ranks: undo both so
+        # the gradient is that of (sum of token losses of the global batch) / (its trainable tokens).
+        scale = self.trainer.accumulate_grad_batches * self._data_parallel_size()
+        return loss_sum * (scale / total).to(loss_sum.dtype)
+
+    @override
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._step_loss_sum is None or self._loss_norm is None:
+            return
+        total_loss = self.trainer.strategy.reduce(self._step_loss_sum, reduce_op="sum")
+        self.log("train/loss", (total_loss / self._loss_norm[1]).float(), prog_bar=True, rank_zero_only=True)
+        self._step_loss_sum = None
+
+    # ----- evaluation ----------------------------------------------------------------------------------------
+    def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
+        loss_sum, tokens = self.loss_sum(batch)
+        sums = torch.stack([loss_sum.detach().double(), tokens.double()])
+        self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
+
+    def _eval_log(self, prefix: str) -> None:
+        sums = self._eval_sums if self._eval_sums is not None else torch.zeros(2, dtype=torch.float64)
+        sums = self.trainer.strategy.reduce(sums.to(self.device), reduce_op="sum")
+        self._eval_sums = None
+        if sums[1] > 0:
+            loss = (sums[0] / sums[1]).float()
+            self.log(f"{prefix}/loss", loss, prog_bar=True, rank_zero_only=True)
+            self.log(f"{prefix}/ppl", loss.exp(), rank_zero_only=True)
+
+    @override
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    @override
+    def on_validation_epoch_end(self) -> None:
+        self._eval_log("val")
+
+    @override
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    @override
+    def on_test_epoch_end(self) -> None:
+        self._eval_log("test")
+
+    @override
+    def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        cfg = self.generation_config
+        return self.generate(
+            batch["input_ids"],
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+        )
+
+    def generate(self, input_ids: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        """Greedy or sampled continuation with a KV cache; see ``forge_lightning.modules.llm.generation``."""
+        return generate(self.model, input_ids, **kwargs)
+
+    # ----- optimisation and bookkeeping ------------------------------------------------------------------------
+    @override
+    def configure_optimizers(self) -> dict[str, Any]:
+        optimizer = build_optimizer(self.model, self.optimizer_config)
+        total = self.scheduler_config.total_steps or int(self.trainer.estimated_stepping_batches)
+        scheduler = build_scheduler(optimizer, self.scheduler_config, total)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def batch_stats(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Samples, tokens and training FLOPs of a micro-batch (for the throughput monitor)."""
+        batch_size, seq_len = batch["input_ids"].shape
+        tokens = batch_size * seq_len
+        return {
+            "samples": batch_size,
+            "tokens": tokens,
+            "flops": llm_flops_per_token(self.config, seq_len) * tokens,
+        }
+
+    @override
+    def setup(self, stage: str) -> None:
+        datamodule = self.trainer.datamodule if self._trainer is not None else None
+        seq_length = getattr(datamodule, "seq_length", None)
+        if seq_length is not None and seq_length > self.config.max_position_embeddings:
+            raise ValueError(
+                f"data.seq_length ({seq_length}) is longer than the model's max_position_embeddings "
+                f"({self.config.max_position_embeddings}): shorten the sequences or use a model with longer context"
+            )
+        vocab = getattr(datamodule, "vocab_size", None)
+        if vocab is not None and vocab > self.config.vocab_size:
+            raise ValueError(
+                f"the tokenizer has {vocab} tokens but the model's vocab_size is {self.config.vocab_size}: "
+                "use the model's own tokenizer or set vocab_size in the model config to at least the tokenizer's"
+            )

@@ -1,0 +1,89 @@
+"""Optimizer construction: weight-decay groups and fused AdamW where the device supports it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+_OPTIMIZERS = ("adamw", "adam", "sgd")
+
+
+@dataclass(kw_only=True)
+class OptimizerConfig:
+    """Optimizer settings.
+
+    Args:
+        name: ``adamw``, ``adam`` or ``sgd``.
+        lr: peak learning rate.
+        weight_decay: decoupled weight decay for matrices.
+        betas: Adam betas.
+        eps: Adam epsilon.
+        fused: ``True`` / ``False`` forces the fused (single-kernel) implementation; ``None`` picks fused on
+            CUDA and foreach elsewhere.
+        decay_norms_biases_embeddings: apply weight decay to norms, biases and embeddings too (off by default,
+            as in GPT-3 / Llama recipes).
+        momentum: SGD momentum.
+    """
+
+    name: str = "adamw"
+    lr: float = 3e-4
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    fused: bool | None = None
+    decay_norms_biases_embeddings: bool = False
+    momentum: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.name not in _OPTIMIZERS:
+            raise ValueError(f"optimizer.name ({self.name!r}) must be one of {_OPTIMIZERS}")
+        if self.lr <= 0:
+            raise ValueError(f"optimizer.lr ({self.lr}) must be positive")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay ({self.weight_decay}) must be >= 0")
+
+
+def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict[str, object]]:
+    """Split trainable parameters into a decayed group (matrices) and a non-decayed one.
+
+    Norm weights, biases and embedding tables are not decayed unless ``decay_all``. A parameter is a matrix when it
+    has two or more dimensions and does not belong to an ``nn.Embedding``; tied weights are counted once.
+    """
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    decay, no_decay, seen = [], [], set()
+    for param in model.parameters():
+        if not param.requires_grad or id(param) in seen:
+            continue
+        seen.add(id(param))
+        is_matrix = param.ndim >= 2 and id(param) not in embedding_params
+        (decay if decay_all or is_matrix else no_decay).append(param)
+    groups = [{"params": decay, "weight_decay": weight_decay}]
+    if no_decay:
+        groups.append({"params": no_decay, "weight_decay": 0.0})
+    return [g for g in groups if g["params"]]
+
+
+def _fused_supported(model: nn.Module) -> bool:
+    devices = {p.device.type for p in model.parameters() if p.requires_grad}
+    return devices == {"cuda"}
+
+
+def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+    """Build the optimizer for the trainable parameters of ``model``.
+
+    Args:
+        model: the module whose trainable parameters are optimised (parameters must already sit on their device).
+        config: optimizer settings.
+    """
+    groups = param_groups(model, config.weight_decay, config.decay_norms_biases_embeddings)
+    if not groups:
+        raise ValueError("the model has no trainable parameters: check which components are frozen")
+    if config.name == "sgd":
+        return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
+    fused = _fused_supported(model) if config.fused is None else config.fused
+    kwargs = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps}
+    kwargs["fused" if fused else "foreach"] = True
+    cls = torch.optim.AdamW if config.name == "adamw" else torch.optim.Adam
+    return cls(groups, **kwargs)

@@ -1,0 +1,145 @@
+"""The `forge` command: config parsing, overrides, errors, saved configs, loggers and 2-process DDP."""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from forge_lightning.cli import ForgeCLI
+
+REPO = Path(__file__).resolve().parent.parent
+TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
+ALL_CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+def _data_args(corpus):
+    return ["--data.data_prefix", str(corpus["prefix"]), "--data.tokenizer", str(corpus["tokenizer"])]
+
+
+def _print_config(args, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ForgeCLI(args=args)
+    assert exit_info.value.code in (0, None)
+    return yaml.safe_load(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("config", ALL_CONFIGS, ids=[str(p.relative_to(REPO)) for p in ALL_CONFIGS])
+def test_every_shipped_config_parses(config, capsys):
+    resolved = _print_config(["fit", "--config", str(config), "--print_config"], capsys)
+    assert resolved["model"]["class_path"].startswith("forge_lightning.")
+    assert "optimizer" in resolved and "scheduler" in resolved
+
+
+def test_print_config_applies_overrides(capsys):
+    resolved = _print_config(
+        [
+            "fit",
+            "--config",
+            str(TINY_YAML),
+            "--trainer.max_steps",
+            "50",
+            "--optimizer.lr",
+            "3e-4",
+            "--print_config",
+        ],
+        capsys,
+    )
+    assert resolved["trainer"]["max_steps"] == 50
+    assert resolved["optimizer"]["lr"] == 3e-4
+    assert resolved["data"]["init_args"]["seq_length"] == 32
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--trainer.max_stepz", "5"], "max_stepz"),
+        (["--optimizer.lr", "fast"], "optimizer.lr"),
+        (["--data.init_args.seq_lenght", "8"], "seq_lenght"),
+        (["--model.init_args.z_loss", "[1, 2]"], "z_loss"),
+    ],
+)
+def test_unknown_keys_and_wrong_types_fail_before_work(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        ForgeCLI(args=["fit", "--config", str(TINY_YAML), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _forge(args, cwd, env_extra=None):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env_extra or {})}
+    proc = subprocess.run(
+        [sys.executable, "-m", "forge_lightning", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
+
+
+def _train_losses(log_dir):
+    rows = list(csv.DictReader((Path(log_dir) / "metrics.csv").read_text().splitlines()))
+    return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+
+
+def test_fit_saves_config_checkpoint_and_logs_to_wandb(tiny_corpus, tmp_path):
+    wandb_dir = tmp_path / "wandb"
+    wandb_dir.mkdir()
+    env = {k: str(wandb_dir) for k in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
+    loggers = (
+        "[{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: runs, name: cli}},"
+        " {class_path: lightning.pytorch.loggers.WandbLogger, init_args: {save_dir: runs, project: forge-test,"
+        " offline: true}}]"
+    )
+    _forge(
+        ["fit", "--config", str(TINY_YAML), *_data_args(tiny_corpus), "--trainer.logger", loggers],
+        tmp_path,
+        env,
+    )
+    run_dir = tmp_path / "runs" / "cli" / "version_0"
+    saved = yaml.safe_load((run_dir / "config.yaml").read_text())
+    assert saved["trainer"]["max_steps"] == 4 and saved["data"]["init_args"]["data_prefix"] == str(
+        tiny_corpus["prefix"]
+    )
+    assert list((run_dir / "checkpoints").glob("*.ckpt"))
+    assert sorted(_train_losses(run_dir)) == [0, 1, 2, 3]
+    # The offline run's record file holds every logged metric (synced later with `wandb sync`).
+    records = list((tmp_path / "runs" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(records) == 1 and b"train/loss" in records[0].read_bytes()
+
+
+def test_two_process_ddp_matches_one_process(tiny_corpus, tmp_path):
+    common = [
+        "fit",
+        "--config",
+        str(TINY_YAML),
+        *_data_args(tiny_corpus),
+        "--trainer.enable_checkpointing",
+        "false",
+    ]
+    _forge([*common, "--data.batch_size", "4", "--trainer.logger.init_args.name", "one"], tmp_path)
+    _forge(
+        [
+            *common,
+            "--data.batch_size",
+            "2",
+            "--trainer.devices",
+            "2",
+            "--trainer.strategy",
+            "ddp",
+            "--trainer.logger.init_args.name",
+            "two",
+        ],
+        tmp_path,
+    )
+    one = _train_losses(tmp_path / "runs" / "tests" / "one" / "version_0")
+    two = _train_losses(tmp_path / "runs" / "tests" / "two" / "version_0")
+    assert sorted(one) == sorted(two) == [0, 1, 2, 3]
+    for step in one:
+        assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-6)
