@@ -47,6 +47,15 @@ class ForgeCLI(LightningCLI):
         parser.link_arguments("scheduler", "model.init_args.scheduler", apply_on="instantiate")
 
     @override
+    def _parse_ckpt_path(self) -> None:
+        """Keep the YAML as the one source of the run's config.
+
+        LightningCLI would merge the checkpoint's hyper-parameters into the config, re-parsing nested model
+        configs as options. Here a checkpoint only supplies state: weights that do not fit the configured model
+        fail to load with the mismatching names.
+        """
+
+    @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
         callbacks = list(callbacks)
         configured = list(config.get("callbacks") or [])

@@ -1,12 +1,14 @@
 """The `forge` command: config parsing, overrides, errors, saved configs, loggers and 2-process DDP."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 
 from forge_lightning.cli import ForgeCLI
@@ -88,12 +90,15 @@ def _train_losses(log_dir):
     return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
 
 
-def test_fit_saves_config_checkpoint_and_logs_to_wandb(tiny_corpus, tmp_path):
+def test_fit_validate_predict_and_loggers(tiny_corpus, tmp_path):
+    """fit saves its config and checkpoint and logs to CSV, TensorBoard and W&B (offline); validate and predict
+    run from the checkpoint; forge-convert exports it to a transformers-loadable directory."""
     wandb_dir = tmp_path / "wandb"
     wandb_dir.mkdir()
     env = {k: str(wandb_dir) for k in ("WANDB_DIR", "WANDB_CACHE_DIR", "WANDB_CONFIG_DIR", "WANDB_DATA_DIR")}
     loggers = (
         "[{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: runs, name: cli}},"
+        " {class_path: lightning.pytorch.loggers.TensorBoardLogger, init_args: {save_dir: runs, name: tb}},"
         " {class_path: lightning.pytorch.loggers.WandbLogger, init_args: {save_dir: runs, project: forge-test,"
         " offline: true}}]"
     )
@@ -104,14 +109,43 @@ def test_fit_saves_config_checkpoint_and_logs_to_wandb(tiny_corpus, tmp_path):
     )
     run_dir = tmp_path / "runs" / "cli" / "version_0"
     saved = yaml.safe_load((run_dir / "config.yaml").read_text())
-    assert saved["trainer"]["max_steps"] == 4 and saved["data"]["init_args"]["data_prefix"] == str(
-        tiny_corpus["prefix"]
-    )
-    assert list((run_dir / "checkpoints").glob("*.ckpt"))
-    assert sorted(_train_losses(run_dir)) == [0, 1, 2, 3]
+    assert saved["trainer"]["max_steps"] == 4
+    assert saved["data"]["init_args"]["data_prefix"] == str(tiny_corpus["prefix"])
+    ckpts = list((run_dir / "checkpoints").glob("*.ckpt"))
+    assert len(ckpts) == 1
+    train = _train_losses(run_dir)
+    assert sorted(train) == [0, 1, 2, 3]
+    assert list((tmp_path / "runs" / "tb").glob("version_0/events.out.tfevents.*"))
     # The offline run's record file holds every logged metric (synced later with `wandb sync`).
     records = list((tmp_path / "runs" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(records) == 1 and b"train/loss" in records[0].read_bytes()
+
+    ckpt = ["--ckpt_path", str(ckpts[0]), "--trainer.logger", "false"]
+    out = _forge(["validate", "--config", str(TINY_YAML), *_data_args(tiny_corpus), *ckpt], tmp_path).stdout
+    assert "val/loss" in out
+    predict = [
+        "--data.predict_prompts",
+        '["def ", "import "]',
+        "--model.init_args.generation.max_new_tokens",
+        "8",
+    ]
+    writer = ["--trainer.callbacks+=forge_lightning.callbacks.TextPredictionWriter"]
+    writer += ["--trainer.callbacks.output", str(tmp_path / "pred.jsonl")]
+    _forge(
+        ["predict", "--config", str(TINY_YAML), *_data_args(tiny_corpus), *ckpt, *predict, *writer], tmp_path
+    )
+    records = [json.loads(line) for line in (tmp_path / "pred.jsonl").read_text().splitlines()]
+    assert [r["prompt"] for r in records] == ["def ", "import "]
+    assert all(r["completion"] for r in records)
+
+    from forge_lightning.tools.convert import main as forge_convert
+
+    forge_convert(["ckpt-to-hf", "--ckpt", str(ckpts[0]), "--output", str(tmp_path / "hf")])
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    state = torch.load(ckpts[0], weights_only=True)["state_dict"]
+    torch.testing.assert_close(hf.model.embed_tokens.weight, state["model.model.embed_tokens.weight"])
 
 
 def test_two_process_ddp_matches_one_process(tiny_corpus, tmp_path):

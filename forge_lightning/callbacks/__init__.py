@@ -1,8 +1,8 @@
 """Callbacks: throughput and MFU, text samples, Hugging Face export, validation summaries."""
 
 from forge_lightning.callbacks.export import HFExport
-from forge_lightning.callbacks.generation import TextSample
+from forge_lightning.callbacks.generation import TextPredictionWriter, TextSample
 from forge_lightning.callbacks.throughput import ThroughputMonitor
 from forge_lightning.callbacks.validation import ValidationSummary
 
-__all__ = ["HFExport", "TextSample", "ThroughputMonitor", "ValidationSummary"]
+__all__ = ["HFExport", "TextPredictionWriter", "TextSample", "ThroughputMonitor", "ValidationSummary"]

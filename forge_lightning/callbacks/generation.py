@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.callbacks import BasePredictionWriter
 from typing_extensions import override
 
 
@@ -79,3 +80,40 @@ class TextSample(Callback):
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._emit(trainer, pl_module)
+
+
+class TextPredictionWriter(BasePredictionWriter):
+    """Decodes ``forge predict`` outputs (token ids) with the datamodule's tokenizer, prints them and writes JSONL.
+
+    Args:
+        output: JSONL file to append ``{"prompt", "completion"}`` records to (``None``: print only).
+    """
+
+    def __init__(self, output: str | None = None) -> None:
+        super().__init__(write_interval="batch")
+        self.output = output
+
+    @override
+    def write_on_batch_end(
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        prediction: Any,
+        batch_indices: Any,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int,
+    ) -> None:
+        import json
+
+        tokenizer = trainer.datamodule.tokenizer
+        prompt_len = batch["input_ids"].shape[1]
+        for row_prompt, row in zip(batch["input_ids"], prediction):
+            record = {
+                "prompt": tokenizer.decode(row_prompt.tolist()),
+                "completion": tokenizer.decode(row[prompt_len:].tolist()),
+            }
+            print(record["prompt"] + record["completion"], flush=True)
+            if self.output is not None:
+                with open(self.output, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(record) + "\n")

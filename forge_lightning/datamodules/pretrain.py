@@ -6,8 +6,9 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
+import torch
 from lightning.pytorch.utilities import rank_zero_info
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from forge_lightning.datamodules.gpt_dataset import BlendedDataset, TokenSequenceDataset, split_documents
@@ -37,6 +38,7 @@ class PretrainDataModule(pl.LightningDataModule):
         num_workers: DataLoader workers per rank.
         pin_memory: pin host memory (useful on CUDA).
         reset_position_ids: restart positions at every document boundary inside a sample.
+        predict_prompts: prompts that ``forge predict`` continues (one per batch).
     """
 
     def __init__(
@@ -54,6 +56,7 @@ class PretrainDataModule(pl.LightningDataModule):
         num_workers: int = 2,
         pin_memory: bool = True,
         reset_position_ids: bool = False,
+        predict_prompts: list[str] | None = None,
     ) -> None:
         super().__init__()
         self.prefixes = [data_prefix] if isinstance(data_prefix, str) else list(data_prefix)
@@ -74,6 +77,7 @@ class PretrainDataModule(pl.LightningDataModule):
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.reset_position_ids = reset_position_ids
+        self.predict_prompts = list(predict_prompts or [])
         self._tokenizer: Any = None
         self.train_dataset: Dataset | None = None
         self.val_dataset: Dataset | None = None
@@ -179,6 +183,13 @@ class PretrainDataModule(pl.LightningDataModule):
     @override
     def test_dataloader(self) -> ShardedLoader | list:
         return self.val_dataloader()
+
+    @override
+    def predict_dataloader(self) -> DataLoader:
+        if not self.predict_prompts:
+            raise ValueError("forge predict needs prompts: set data.predict_prompts (a list of strings)")
+        prompts = [{"input_ids": torch.tensor([self.tokenizer.encode(p)])} for p in self.predict_prompts]
+        return DataLoader(prompts, batch_size=None)  # one prompt per batch: prompts differ in length
 
     @override
     def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
