@@ -80,7 +80,9 @@ class ThroughputMonitor(Callback):
         metrics = self._rates(trainer, pl_module, elapsed, steps)
         if self._warm:
             self._history.append(metrics)
-            pl_module.log_dict(metrics, on_step=True, on_epoch=False, rank_zero_only=True)
+            if trainer.is_global_zero:
+                for logger in trainer.loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step - 1)
         self._warm = True
         self._reset_window()
 

@@ -12,7 +12,8 @@ import zlib
 from pathlib import Path
 
 DEFAULT_MAX_BYTES = 8_000_000
-_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+# Third-party code, caches, and generated tables (codec charmaps, pydoc's topic dump) that are not code.
+_SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__", "encodings", "pydoc_data"})
 _TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 
 
