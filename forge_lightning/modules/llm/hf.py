@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -176,6 +177,7 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     *,
     overwrite: bool = False,
+    state_dict: Mapping[str, Tensor] | None = None,
 ) -> Path:
     """Export ``model`` as a Hugging Face checkpoint directory (``config.json``, safetensors, index if sharded).
 
@@ -189,6 +191,7 @@ def save_pretrained(
         dtype: cast floating tensors to this dtype; default keeps each tensor's dtype.
         max_shard_size: largest shard, in bytes or as a string (``"5GB"``, ``"500MB"``, ``"2GiB"``).
         overwrite: replace an existing non-empty ``out_dir`` (otherwise that is an error).
+        state_dict: full tensors to write instead of ``model.state_dict()`` (e.g. gathered from a sharded model).
 
     Returns:
         The output directory.
@@ -196,7 +199,7 @@ def save_pretrained(
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
-    tensors = _export_tensors(model, config, dtype)
+    tensors = _export_tensors(model.state_dict() if state_dict is None else state_dict, config, dtype)
     saved_dtype = next(iter(tensors.values())).dtype
     hf_config = config.to_hf()
     hf_config["torch_dtype"] = hf_config["dtype"] = str(saved_dtype).removeprefix("torch.")
@@ -219,9 +222,11 @@ def save_pretrained(
     return out_dir
 
 
-def _export_tensors(model: DecoderLM, config: LLMConfig, dtype: torch.dtype | None) -> dict[str, Tensor]:
+def _export_tensors(
+    state_dict: Mapping[str, Tensor], config: LLMConfig, dtype: torch.dtype | None
+) -> dict[str, Tensor]:
     tensors = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state_dict.items():
         if config.tie_word_embeddings and name == _TIED_HEAD:
             continue  # Hugging Face files store the tied matrix once, as the embedding
         tensor = tensor.detach()

@@ -1,0 +1,348 @@
+"""``FSDP2Strategy``: FSDP2 / HSDP (``fully_shard``) with optional tensor parallelism, from the module's plan.
+
+The device mesh has three named dimensions::
+
+    dp_replicate × dp_shard × tp          (data_parallel_size = dp_replicate × dp_shard)
+    HSDP: parameters sharded over dp_shard, replicated over dp_replicate; TP shards inside each block
+
+Transforms follow the one fixed order (see ``forge_lightning.strategies.parallelize``): TP → activation
+checkpointing → per-block ``torch.compile`` → ``fully_shard`` of every block, then of the LightningModule as the
+root. The root's step methods (``training_step`` ...) are registered as FSDP forward methods, so the parameters
+outside the blocks (embedding, final norm, output head) are gathered for the whole step even when the module
+calls submodule methods other than ``forward`` or reads a weight directly (a fused linear + cross-entropy).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import _sync_ddp_if_available
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+from typing_extensions import override
+
+from forge_lightning.modules.plan import ParallelPlan
+from forge_lightning.strategies import parallelize as par
+from forge_lightning.strategies.distributed_checkpoint import (
+    full_model_state_dict,
+    load_distributed_checkpoint,
+    save_distributed_checkpoint,
+)
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+
+
+def _dtype(name: str | None, option: str) -> torch.dtype | None:
+    if name is None:
+        return None
+    if name not in _DTYPES:
+        raise ValueError(f"{option} must be one of {sorted(_DTYPES)} or null, got {name!r}")
+    return _DTYPES[name]
+
+
+def validate_degrees(world_size: int, data_parallel: int | str, replicate: int, tensor_parallel: int) -> int:
+    """Check the parallel degrees against the world size; return the resolved data-parallel size.
+
+    Args:
+        world_size: number of processes.
+        data_parallel: ``data_parallel_size`` (``"auto"``: ``world_size / tensor_parallel``).
+        replicate: ``data_parallel_replicate_size`` (HSDP replica groups; must divide the data-parallel size).
+        tensor_parallel: ``tensor_parallel_size``.
+    """
+    dp = world_size // max(tensor_parallel, 1) if data_parallel == "auto" else int(data_parallel)
+    degrees = (
+        f"data_parallel_size={data_parallel} (resolved {dp}), data_parallel_replicate_size={replicate}, "
+        f"tensor_parallel_size={tensor_parallel}, world size={world_size}"
+    )
+    if min(dp, replicate, tensor_parallel) < 1:
+        raise ValueError(f"every parallel degree must be at least 1: {degrees}")
+    if dp * tensor_parallel != world_size:
+        raise ValueError(f"data_parallel_size x tensor_parallel_size must equal the world size: {degrees}")
+    if dp % replicate != 0:
+        raise ValueError(f"data_parallel_replicate_size must divide data_parallel_size: {degrees}")
+    return dp
+
+
+class FSDP2Strategy(ModelParallelStrategy):
+    """Fully sharded data parallelism (FSDP2), HSDP and FSDP × TP, applied from the module's ``parallel_plan()``.
+
+    Registered as ``fsdp2`` (HSDP and TP through the options). Use ``trainer.precision: 32-true`` with
+    ``param_dtype: bf16`` for bf16 compute over fp32 master weights.
+
+    Args:
+        data_parallel_size: data-parallel ranks (replicas × shards); ``"auto"``: world size / TP size.
+        tensor_parallel_size: tensor-parallel ranks per data-parallel rank (the mesh's innermost dimension).
+        data_parallel_replicate_size: HSDP replica groups; parameters are sharded over
+            ``data_parallel_size / data_parallel_replicate_size`` ranks and replicated across groups.
+            ``"auto"``: the number of nodes (shard within a node, replicate across nodes).
+        sequence_parallel: with TP, shard norms and the residual stream on the sequence (applies the plan's
+            ``sequence`` and root entries); off: only the block entries, the residual stream stays replicated.
+        param_dtype: compute dtype of the gathered parameters (``bf16``, ``fp32``...; ``None``: as stored).
+        reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
+        output_dtype: dtype the root's outputs are cast to (``None``: unchanged).
+        reshard_after_forward: free gathered block parameters after forward (``True``), keep them until backward
+            (``False``, ZeRO-2-like), or reshard to this many ranks (an ``int`` dividing the shard size).
+        forward_prefetch: blocks whose all-gather is issued ahead in forward (0: FSDP2's implicit order).
+        backward_prefetch: blocks prefetched in backward (1: FSDP2's default).
+        cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
+        unsharded_components: frozen components kept whole and replicated on every rank (e.g. a vision encoder).
+        activation_checkpointing: recompute each block's activations in backward.
+        compile: ``torch.compile`` each block.
+        process_group_backend: ``nccl``, ``gloo``...; default from the device.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "fsdp2"
+    owns_checkpoint_io = True
+
+    def __init__(
+        self,
+        data_parallel_size: int | Literal["auto"] = "auto",
+        tensor_parallel_size: int = 1,
+        data_parallel_replicate_size: int | Literal["auto"] = 1,
+        *,
+        sequence_parallel: bool = False,
+        param_dtype: str | None = None,
+        reduce_dtype: str | None = None,
+        output_dtype: str | None = None,
+        reshard_after_forward: bool | int = True,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
+        cpu_offload: bool = False,
+        unsharded_components: list[str] | None = None,
+        activation_checkpointing: bool = False,
+        compile: bool = False,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=True,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.sequence_parallel = sequence_parallel
+        self.mp_dtypes = (
+            _dtype(param_dtype, "param_dtype"),
+            _dtype(reduce_dtype, "reduce_dtype"),
+            _dtype(output_dtype, "output_dtype"),
+        )
+        self.reshard_after_forward = reshard_after_forward
+        self.forward_prefetch = forward_prefetch
+        self.backward_prefetch = backward_prefetch
+        self.cpu_offload = cpu_offload
+        self.unsharded_components = list(unsharded_components or [])
+        self.activation_checkpointing = activation_checkpointing
+        self.compile = compile
+        self._dp_group: Any = None
+
+    # ----- mesh and degrees -------------------------------------------------------------------------------------
+    @override
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        tp = int(self._tensor_parallel_size)
+        if self.data_parallel_replicate_size == "auto":
+            self.data_parallel_replicate_size = self.num_nodes
+        dp = validate_degrees(
+            self.world_size, self._data_parallel_size, self.data_parallel_replicate_size, tp
+        )
+        self._data_parallel_size, self._tensor_parallel_size = dp, tp
+        shard = dp // self.data_parallel_replicate_size
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self._device_mesh = init_device_mesh(
+            self.root_device.type,
+            (self.data_parallel_replicate_size, shard, tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+        )
+        dp_mesh = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        self._dp_group = None if tp == 1 else dp_mesh.get_group()
+        rank_zero_info(
+            f"{type(self).__name__}: mesh dp_replicate={self.data_parallel_replicate_size} x dp_shard={shard} x "
+            f"tp={tp} over {self.world_size} processes"
+        )
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh
+
+    def _require_mesh(self, what: str) -> Any:
+        if self._device_mesh is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.{what} is only known after the process group and device mesh are set up "
+                "(Trainer.fit / validate / test set them up)"
+            )
+        return self._device_mesh
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of data-parallel ranks (replicas × shards); ranks of one TP group share a data rank."""
+        mesh = self._require_mesh("data_parallel_size")
+        return mesh["dp_replicate"].size() * mesh["dp_shard"].size()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's data-parallel index, in ``[0, data_parallel_size)``."""
+        mesh = self._require_mesh("data_parallel_rank")
+        return (
+            mesh["dp_replicate"].get_local_rank() * mesh["dp_shard"].size()
+            + mesh["dp_shard"].get_local_rank()
+        )
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """Number of tensor-parallel ranks."""
+        return self._require_mesh("tensor_parallel_size")["tp"].size()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @override
+    def reduce(
+        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> torch.Tensor | Any:
+        """Reduce over the data-parallel ranks only (TP ranks of one data rank hold the same values)."""
+        if isinstance(tensor, torch.Tensor):
+            return _sync_ddp_if_available(tensor, group if group is not None else self._dp_group, reduce_op)
+        return tensor
+
+    # ----- applying the plan ------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from lightning.pytorch.trainer.states import TrainerFn
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        _materialize_distributed_module(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.parallelize(self.model)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def parallelize(self, module: nn.Module) -> None:
+        """Apply TP, activation checkpointing, compilation and FSDP to ``module`` from its parallel plan."""
+        plan = _plan_of(module)
+        unsharded = par.check_unsharded(plan, self.unsharded_components)
+        mesh = self.device_mesh
+        if mesh["tp"].size() > 1:
+            par.apply_tensor_parallel(
+                plan, mesh["tp"], sequence_parallel=self.sequence_parallel, skip=[c.name for c in unsharded]
+            )
+        par.apply_activation_checkpointing(plan, enabled=self.activation_checkpointing)
+        par.apply_compile(plan, enabled=self.compile)
+        self._apply_fully_shard(module, plan, unsharded)
+
+    def _fsdp_kwargs(self) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        param, reduce, output = self.mp_dtypes
+        mesh = self.device_mesh
+        dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+        offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else None
+        return {
+            "mesh": dp_mesh,
+            "mp_policy": MixedPrecisionPolicy(param_dtype=param, reduce_dtype=reduce, output_dtype=output),
+            "offload_policy": offload or OffloadPolicy(),
+        }
+
+    def _apply_fully_shard(self, module: nn.Module, plan: ParallelPlan, unsharded: list) -> None:
+        from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+        kwargs = self._fsdp_kwargs()
+        ignored = par.parameters_of(unsharded)
+        skip = {c.name for c in unsharded}
+        sharded_blocks: list[nn.Module] = []
+        for comp in plan:
+            if comp.name in skip:
+                continue
+            for block in comp.blocks:
+                fully_shard(block, reshard_after_forward=self.reshard_after_forward, **kwargs)
+                sharded_blocks.append(block)
+        _set_prefetch(sharded_blocks, self.forward_prefetch, self.backward_prefetch)
+        # The root keeps its parameters gathered from forward to backward: it is needed first in backward.
+        fully_shard(module, reshard_after_forward=False, ignored_params=ignored or None, **kwargs)
+        for name in _STEP_METHODS:
+            if callable(getattr(module, name, None)):
+                register_fsdp_forward_method(module, name)
+        param, reduce, _ = self.mp_dtypes
+        rank_zero_info(
+            f"fully_shard: {len(sharded_blocks)} blocks + root over {kwargs['mesh'].size()} ranks "
+            f"({'HSDP' if kwargs['mesh'].ndim == 2 else 'FSDP'}); params {param or 'as stored'}, reduce "
+            f"{reduce or param or 'as stored'}; reshard_after_forward={self.reshard_after_forward}; cpu_offload="
+            f"{self.cpu_offload}; unsharded components {[c.name for c in unsharded]}"
+        )
+
+    # ----- checkpoints ------------------------------------------------------------------------------------------
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes its own checkpoints and takes no storage_options")
+        path = Path(self.broadcast(str(filepath)))
+        save_distributed_checkpoint(checkpoint, path, self.barrier, is_global_zero=self.is_global_zero)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        assert self.model is not None
+        return load_distributed_checkpoint(path, self.model, self.optimizers)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded in load_checkpoint
+
+    def full_model_state_dict(self, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The full (unsharded) state dict of ``module`` on CPU, on global rank 0 (empty elsewhere).
+
+        Parameters are gathered one at a time and moved to host memory, so no rank ever holds the whole model on
+        its accelerator. Collective: call it on every rank.
+        """
+        assert self.model is not None
+        return full_model_state_dict(self.model, module)
+
+
+def _plan_of(module: nn.Module) -> ParallelPlan:
+    plan_fn = getattr(module, "parallel_plan", None)
+    if not callable(plan_fn):
+        raise TypeError(
+            f"{type(module).__name__} has no parallel_plan(): the native strategies apply parallelism from the "
+            "module's ParallelPlan (see forge_lightning.modules.plan)"
+        )
+    return plan_fn()
+
+
+def _set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:
+    """Explicit all-gather prefetching over the blocks in forward order (FSDP2's implicit order otherwise)."""
+    if forward < 0 or backward < 0:
+        raise ValueError(f"forward_prefetch ({forward}) and backward_prefetch ({backward}) must be >= 0")
+    for i, block in enumerate(blocks):
+        if forward > 0 and blocks[i + 1 : i + 1 + forward]:
+            block.set_modules_to_forward_prefetch(blocks[i + 1 : i + 1 + forward])
+        if backward > 1 and i > 0:
+            block.set_modules_to_backward_prefetch(list(reversed(blocks[max(0, i - backward) : i])))
