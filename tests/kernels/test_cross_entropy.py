@@ -1,0 +1,165 @@
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from forge_lightning.kernels import fused_linear_cross_entropy
+from forge_lightning.kernels.cross_entropy import _chunk_size, linear_cross_entropy_unfused
+
+IGNORE = -100
+
+
+def make_inputs(n_tokens, hidden, vocab, dtype, device, transposed=False):
+    if transposed:
+        h = torch.randn(hidden, n_tokens, dtype=dtype, device=device).T
+    else:
+        h = torch.randn(n_tokens, hidden, dtype=dtype, device=device)
+    weight = (torch.randn(vocab, hidden, device=device) / math.sqrt(hidden) * 3).to(dtype)
+    labels = torch.randint(0, vocab, (n_tokens,), device=device)
+    labels[torch.rand(n_tokens, device=device) < 0.25] = IGNORE
+    return h.requires_grad_(), weight.requires_grad_(), labels
+
+
+def run(fn, h, weight, labels, reduction, upstream=None, **kwargs):
+    h.grad = weight.grad = None
+    loss = fn(h, weight, labels, reduction=reduction, **kwargs)
+    (loss * upstream).sum().backward() if reduction == "none" else (loss * 0.37).backward()
+    return loss.detach(), h.grad, weight.grad
+
+
+OPTIONS = [dict(), dict(z_loss=1e-3, label_smoothing=0.1)]
+
+
+@pytest.mark.parametrize("options", OPTIONS, ids=["plain", "zloss+smoothing"])
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_triton_matches_reference_and_unfused(device, assert_close, dtype, reduction, options):
+    # 37 tokens in chunks of 8 (partial last chunk), odd hidden and vocab, transposed hidden states.
+    h, weight, labels = make_inputs(37, 33, 101, dtype, device, transposed=True)
+    upstream = torch.randn(37, device=device)
+    fused = dict(reduction=reduction, upstream=upstream, chunk_size=8, **options)
+    got = run(fused_linear_cross_entropy, h, weight, labels, backend="triton", **fused)
+    ref = run(fused_linear_cross_entropy, h, weight, labels, backend="torch", **fused)
+    unfused = run(linear_cross_entropy_unfused, h, weight, labels, reduction, upstream, **options)
+    for want in (ref, unfused):
+        for g, w in zip(got, want, strict=True):
+            assert g.dtype == w.dtype
+            # fp32 loss math everywhere; half-precision inputs differ only through the rounded logits / grads.
+            assert_close(
+                g, w, dtype if g is not got[0] else torch.float32, factor=1 if dtype == torch.float32 else 2
+            )
+
+
+def test_large_vocab_spans_several_tiles(device, assert_close):
+    # V > the kernel's 4096-wide tile: exercises the online logsumexp across tiles.
+    h, weight, labels = make_inputs(9, 16, 4133, torch.float32, device)
+    got = run(fused_linear_cross_entropy, h, weight, labels, "sum", label_smoothing=0.2, backend="triton")
+    want = run(linear_cross_entropy_unfused, h, weight, labels, "sum", label_smoothing=0.2)
+    for g, w in zip(got, want, strict=True):
+        assert_close(g, w, torch.float32)
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_sum_divided_by_count_equals_mean_and_f_cross_entropy(device, backend):
+    h, weight, labels = make_inputs(2 * 19, 24, 50, torch.float32, device)
+    h3, labels2 = h.detach().view(2, 19, 24).requires_grad_(), labels.view(2, 19)
+    total = fused_linear_cross_entropy(h3, weight, labels2, reduction="sum", chunk_size=5, backend=backend)
+    (total / (labels2 != IGNORE).sum()).backward()
+    grads = (h3.grad.clone(), weight.grad.clone())
+    h3.grad = weight.grad = None
+    mean = fused_linear_cross_entropy(h3, weight, labels2, backend=backend)
+    mean.backward()
+    torch.testing.assert_close(total / (labels2 != IGNORE).sum(), mean)
+    torch.testing.assert_close(grads, (h3.grad, weight.grad))
+    torch.testing.assert_close(mean, F.cross_entropy((h3 @ weight.T).flatten(0, 1), labels2.flatten()))
+
+
+def test_per_token_losses_keep_the_label_shape(device):
+    h, weight, labels = make_inputs(3 * 5, 8, 30, torch.float32, device)
+    per_token = fused_linear_cross_entropy(
+        h.view(3, 5, 8), weight, labels.view(3, 5), reduction="none", backend="triton"
+    )
+    assert per_token.shape == (3, 5)
+    assert (per_token.flatten()[labels == IGNORE] == 0).all()
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_all_ignored(device, backend):
+    h, weight, _ = make_inputs(6, 8, 30, torch.float32, device)
+    labels = torch.full((6,), IGNORE, device=device)
+    total = fused_linear_cross_entropy(h, weight, labels, reduction="sum", backend=backend)
+    total.backward()
+    assert total.item() == 0 and not h.grad.any() and not weight.grad.any()
+    assert fused_linear_cross_entropy(h, weight, labels, backend=backend).isnan()  # as F.cross_entropy
+
+
+def test_no_grad_path_matches(device):
+    h, weight, labels = make_inputs(21, 16, 40, torch.float32, device)
+    with torch.no_grad():
+        evaluated = fused_linear_cross_entropy(h, weight, labels, z_loss=1e-2, chunk_size=4, backend="triton")
+    trained = fused_linear_cross_entropy(h, weight, labels, z_loss=1e-2, chunk_size=4, backend="triton")
+    torch.testing.assert_close(evaluated, trained.detach())
+
+
+def test_second_backward_raises():
+    h, weight, labels = make_inputs(5, 8, 30, torch.float32, "cpu")
+    loss = fused_linear_cross_entropy(h, weight, labels)
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="backward runs once"):
+        loss.backward()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_reference_half_precision_on_cpu(assert_close, dtype):
+    h, weight, labels = make_inputs(29, 32, 77, dtype, "cpu")
+    got = run(
+        fused_linear_cross_entropy, h, weight, labels, "sum", chunk_size=8, backend="torch", z_loss=1e-3
+    )
+    want = run(linear_cross_entropy_unfused, h, weight, labels, "sum", z_loss=1e-3)
+    assert_close(got[0], want[0], torch.float32)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert_close(g, w, dtype, factor=2)
+
+
+def test_chunk_size_rule():
+    for n_tokens, vocab in [(32768, 128256), (32768, 32000), (7, 128256), (1, 10), (4096, 1 << 30)]:
+        chunk = _chunk_size(n_tokens, vocab)
+        assert 1 <= chunk <= n_tokens
+        assert chunk == n_tokens or chunk & (chunk - 1) == 0
+        assert chunk == n_tokens or chunk * vocab <= 1 << 28 or chunk == 16
+    assert _chunk_size(32768, 128256) == 2048
+    assert _chunk_size(32768, 32000) == 8192
+
+
+def test_rejects_bad_arguments():
+    h, weight, labels = make_inputs(4, 8, 30, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="reduction must be"):
+        fused_linear_cross_entropy(h, weight, labels, reduction="avg")
+    with pytest.raises(ValueError, match="must share a dtype"):
+        fused_linear_cross_entropy(h, weight.half(), labels)
+    with pytest.raises(ValueError, match="labels shape"):
+        fused_linear_cross_entropy(h, weight, labels[:3])
+    with pytest.raises(ValueError, match="label_smoothing"):
+        fused_linear_cross_entropy(h, weight, labels, label_smoothing=1.5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_matches_reference_cuda(cuda, assert_close, dtype, reduction):
+    h, weight, labels = make_inputs(4099, 512, 32003, dtype, cuda)
+    upstream = torch.randn(4099, device=cuda)
+    options = dict(z_loss=1e-4, label_smoothing=0.05)
+    fused = dict(reduction=reduction, upstream=upstream, chunk_size=1024, **options)
+    got = run(fused_linear_cross_entropy, h, weight, labels, backend="triton", **fused)
+    ref = run(fused_linear_cross_entropy, h, weight, labels, backend="torch", **fused)
+    # The oracle runs in fp32 end to end: in fp16, autograd's own d(mean loss)/d(logits) (~1e-8 here) would
+    # underflow to subnormals before its matmuls.
+    h32, weight32 = h.detach().float().requires_grad_(), weight.detach().float().requires_grad_()
+    oracle = run(linear_cross_entropy_unfused, h32, weight32, labels, reduction, upstream, **options)
+    assert_close(got[0], ref[0], torch.float32)  # same logits, fp32 loss math
+    for g, w in zip(got[1:], ref[1:], strict=True):
+        assert_close(g, w, dtype, factor=2)
+    for g, w in zip(got, oracle, strict=True):  # differs through the rounded logits and gradients
+        assert_close(g, w, dtype, factor=2)
