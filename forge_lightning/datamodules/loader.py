@@ -37,6 +37,7 @@ class StepLoader:
         num_workers: DataLoader worker processes.
         pin_memory: pin host memory for faster host-to-device copies.
         collate_fn: collate function (default: torch's).
+        prefetch_factor: batches each worker loads ahead (``None``: torch's default; needs ``num_workers > 0``).
         label_key: the batch key holding labels, for ``step_tokens``; ``None`` adds no ``step_tokens``.
         ignore_index: label value excluded from the loss.
     """
@@ -54,6 +55,7 @@ class StepLoader:
         num_workers: int = 0,
         pin_memory: bool = False,
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        prefetch_factor: int | None = None,
         label_key: str | None = "labels",
         ignore_index: int = -100,
     ) -> None:
@@ -69,6 +71,9 @@ class StepLoader:
         self.num_workers = num_workers
         self.pin_memory = pin_memory
         self.collate_fn = collate_fn
+        if prefetch_factor is not None and num_workers == 0:
+            raise ValueError(f"prefetch_factor ({prefetch_factor}) needs num_workers > 0")
+        self.prefetch_factor = prefetch_factor
         self.label_key = label_key
         self.ignore_index = ignore_index
         self.epoch = 0
@@ -108,6 +113,7 @@ class StepLoader:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             collate_fn=self.collate_fn,
+            prefetch_factor=self.prefetch_factor,
         )
         batches = iter(loader)
         j = start

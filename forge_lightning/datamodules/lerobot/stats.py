@@ -1,0 +1,166 @@
+"""Feature statistics (mean / std / min / max / quantiles) and per-feature normalisation.
+
+Stats follow LeRobot's layout: per feature, arrays of the feature's shape (cameras: per channel, ``(3, 1, 1)``,
+in ``[0, 1]`` pixel units) named ``min``, ``max``, ``mean``, ``std``, ``count`` and ``q01`` ... ``q99``.
+Per-episode stats are exact (quantiles by linear interpolation); several episodes are aggregated the way
+LeRobot does (count-weighted means, the parallel variance formula, count-weighted quantiles), so a v2.1
+dataset's per-episode stats give the same dataset stats LeRobot computes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+QUANTILES = (0.01, 0.10, 0.50, 0.90, 0.99)
+NORMALIZATION_MODES = ("identity", "mean_std", "min_max", "quantiles", "quantile10")
+_MODE_STATS = {
+    "mean_std": ("mean", "std"),
+    "min_max": ("min", "max"),
+    "quantiles": ("q01", "q99"),
+    "quantile10": ("q10", "q90"),
+}
+EPS = 1e-8
+
+
+def quantile_name(q: float) -> str:
+    """LeRobot's stat name of a quantile: ``0.01 -> 'q01'``."""
+    return f"q{round(q * 100):02d}"
+
+
+def feature_stats(values: np.ndarray, *, image: bool = False) -> dict[str, np.ndarray]:
+    """Exact stats of one episode's values.
+
+    Args:
+        values: ``(frames, *shape)``; for cameras ``(frames, channels, height, width)`` in ``[0, 1]``.
+        image: reduce over frames and pixels, keeping one value per channel as ``(channels, 1, 1)``.
+
+    Returns:
+        ``min``, ``max``, ``mean``, ``std`` (population), ``count`` (frames) and the ``QUANTILES``.
+    """
+    values = np.asarray(values, dtype=np.float64)
+    if values.ndim == 1:
+        values = values[:, None]
+    axes: tuple[int, ...] = (0, 2, 3) if image else (0,)
+    keep = image
+    stats = {
+        "min": values.min(axis=axes, keepdims=keep),
+        "max": values.max(axis=axes, keepdims=keep),
+        "mean": values.mean(axis=axes, keepdims=keep),
+        "std": values.std(axis=axes, keepdims=keep),
+        "count": np.array([values.shape[0]]),
+    }
+    for q in QUANTILES:
+        stats[quantile_name(q)] = np.quantile(values, q, axis=axes, keepdims=keep)
+    if image:  # (1, C, 1, 1) -> (C, 1, 1)
+        stats = {k: v[0] if k != "count" else v for k, v in stats.items()}
+    return stats
+
+
+def aggregate_stats(
+    episodes: list[Mapping[str, Mapping[str, np.ndarray]]],
+) -> dict[str, dict[str, np.ndarray]]:
+    """Dataset stats from per-episode stats (the combination rule LeRobot uses).
+
+    Args:
+        episodes: one ``{feature: {stat: array}}`` per episode.
+    """
+    keys = sorted({key for stats in episodes for key in stats})
+    result = {}
+    for key in keys:
+        parts = [stats[key] for stats in episodes if key in stats]
+        means = np.stack([np.asarray(p["mean"], dtype=np.float64) for p in parts])
+        counts = np.stack([np.asarray(p["count"], dtype=np.float64) for p in parts])
+        total = counts.sum(axis=0)
+        weights = counts.reshape(counts.shape + (1,) * (means.ndim - counts.ndim))
+        mean = (means * weights).sum(axis=0) / total
+        variances = np.stack([np.asarray(p["std"], dtype=np.float64) ** 2 for p in parts])
+        variance = ((variances + (means - mean) ** 2) * weights).sum(axis=0) / total
+        merged = {
+            "min": np.min(np.stack([p["min"] for p in parts]), axis=0),
+            "max": np.max(np.stack([p["max"] for p in parts]), axis=0),
+            "mean": mean,
+            "std": np.sqrt(variance),
+            "count": total.astype(np.int64),
+        }
+        for name in [n for n in parts[0] if n.startswith("q") and n[1:].isdigit()]:
+            if all(name in p for p in parts):
+                merged[name] = (np.stack([p[name] for p in parts]) * weights).sum(axis=0) / total
+        result[key] = merged
+    return result
+
+
+def to_jsonable(stats: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Stats as nested lists (LeRobot's ``stats.json`` form)."""
+    return {k: {n: np.asarray(v).tolist() for n, v in values.items()} for k, values in stats.items()}
+
+
+def write_stats_json(root: str | Path, stats: Mapping[str, Mapping[str, Any]]) -> Path:
+    """Writes ``meta/stats.json`` under ``root``."""
+    path = Path(root) / "meta" / "stats.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(to_jsonable(stats), indent=4))
+    return path
+
+
+@dataclass(frozen=True, kw_only=True)
+class Normalizer:
+    """Per-feature normalisation with a dataset's stats (LeRobot's formulas, eps ``1e-8``).
+
+    ``mean_std``: ``(x - mean) / (std + eps)``; ``min_max``: ``2 (x - min) / (max - min) - 1``; ``quantiles``
+    and ``quantile10``: the same with ``q01`` / ``q99`` or ``q10`` / ``q90``; a zero range is replaced by eps.
+
+    Args:
+        stats: ``{feature: {stat: array}}``.
+        modes: ``{feature: mode}``; features not named are left as they are.
+    """
+
+    stats: Mapping[str, Mapping[str, Any]]
+    modes: Mapping[str, str]
+
+    def __post_init__(self) -> None:
+        for key, mode in self.modes.items():
+            if mode not in NORMALIZATION_MODES:
+                raise ValueError(f"normalization[{key!r}] ({mode!r}) must be one of {NORMALIZATION_MODES}")
+            needed = _MODE_STATS.get(mode, ())
+            missing = [n for n in needed if n not in self.stats.get(key, {})]
+            if missing:
+                raise ValueError(
+                    f"normalization[{key!r}] ({mode!r}) needs the stats {missing} of {key!r}, which the dataset "
+                    "lacks: compute them with `forge-data lerobot-stats ROOT`"
+                )
+
+    def _pair(self, key: str, like: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+        mode = self.modes[key]
+        low, high = (
+            torch.as_tensor(np.asarray(self.stats[key][n]), dtype=like.dtype) for n in _MODE_STATS[mode]
+        )
+        return mode, low, high
+
+    def normalize(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """Normalises ``x`` (feature ``key``) by its mode; identity for unnamed features."""
+        if self.modes.get(key, "identity") == "identity":
+            return x
+        mode, low, high = self._pair(key, x)
+        if mode == "mean_std":
+            return (x - low) / (high + EPS)
+        span = high - low
+        span = torch.where(span == 0, torch.full_like(span, EPS), span)
+        return (x - low) / span * 2 - 1
+
+    def unnormalize(self, key: str, x: torch.Tensor) -> torch.Tensor:
+        """Inverse of :meth:`normalize`."""
+        if self.modes.get(key, "identity") == "identity":
+            return x
+        mode, low, high = self._pair(key, x)
+        if mode == "mean_std":
+            return x * (high + EPS) + low
+        span = high - low
+        span = torch.where(span == 0, torch.full_like(span, EPS), span)
+        return (x + 1) / 2 * span + low
