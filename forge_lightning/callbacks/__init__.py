@@ -1,8 +1,16 @@
 """Callbacks: throughput and MFU, text samples, Hugging Face export, validation summaries."""
 
+from forge_lightning.callbacks.exact_match import GenerationMetric
 from forge_lightning.callbacks.export import HFExport
 from forge_lightning.callbacks.generation import TextPredictionWriter, TextSample
 from forge_lightning.callbacks.throughput import ThroughputMonitor
 from forge_lightning.callbacks.validation import ValidationSummary
 
-__all__ = ["HFExport", "TextPredictionWriter", "TextSample", "ThroughputMonitor", "ValidationSummary"]
+__all__ = [
+    "GenerationMetric",
+    "HFExport",
+    "TextPredictionWriter",
+    "TextSample",
+    "ThroughputMonitor",
+    "ValidationSummary",
+]

@@ -10,15 +10,19 @@ from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "PretrainDataModule": "pretrain",
+    "SFTDataModule": "sft",
     "ShardedLoader": "loader",
     "StepLoader": "loader",
+    "TokenDataModule": "base",
 }
 
-__all__ = ["PretrainDataModule", "ShardedLoader", "StepLoader"]
+__all__ = ["PretrainDataModule", "SFTDataModule", "ShardedLoader", "StepLoader", "TokenDataModule"]
 
 if TYPE_CHECKING:
+    from forge_lightning.datamodules.base import TokenDataModule
     from forge_lightning.datamodules.loader import ShardedLoader, StepLoader
     from forge_lightning.datamodules.pretrain import PretrainDataModule
+    from forge_lightning.datamodules.sft import SFTDataModule
 
 
 def __getattr__(name: str) -> Any:

@@ -14,6 +14,13 @@ from forge_lightning.strategies.zero1 import ZeRO1Strategy
 __all__ = ["AtomicCheckpointIO", "DDPStrategy", "FSDP2Strategy", "ZeRO1Strategy"]
 
 
+def _megatron_strategy(**kwargs: object) -> object:
+    """``MegatronStrategy``, imported on first use: megatron-core is the optional ``megatron`` extra."""
+    from forge_lightning.strategies.megatron import MegatronStrategy
+
+    return MegatronStrategy(**kwargs)
+
+
 def _register() -> None:
     entries = [
         ("fsdp2", FSDP2Strategy, "FSDP2 (fully_shard) from the module's parallel plan", {}),
@@ -26,6 +33,7 @@ def _register() -> None:
         ("zero1", ZeRO1Strategy, "DDP with the optimizer state sharded across ranks (ZeRO-1)", {}),
         ("ddp_bf16", DDPStrategy, "DDP with a bf16 gradient all-reduce", {"comm_hook": "bf16"}),
         ("ddp_fp8", DDPStrategy, "DDP with a block-scaled FP8 gradient all-reduce", {"comm_hook": "fp8"}),
+        ("megatron", _megatron_strategy, "megatron-core: TP / PP / VPP / SP, DDP, distributed optimizer", {}),
     ]
     for name, cls, description, init_params in entries:
         if name not in StrategyRegistry:

@@ -1,14 +1,17 @@
 """``forge-convert``: checkpoint conversions.
 
 ``forge-convert ckpt-to-hf --ckpt last.ckpt --output DIR [--dtype bfloat16]`` turns a Lightning checkpoint of a
-model with ``save_pretrained`` (e.g. ``CausalLM``) into a Hugging Face directory. Later conversions (LoRA merge,
-Megatron) plug in as one function each in ``COMMANDS``.
+model with ``save_pretrained`` (e.g. ``CausalLM``) into a Hugging Face directory. ``forge-convert merge-lora --base HF_DIR --adapter DIR --output DIR`` folds a LoRA adapter
+into its base model and saves a full fp32 Hugging Face checkpoint. ``forge-convert hf-to-megatron`` /
+``megatron-to-hf`` convert between Hugging Face and megatron-core dist checkpoints. Each command is one
+function in ``COMMANDS``.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -55,7 +58,54 @@ def _add_ckpt_to_hf(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=ckpt_to_hf)
 
 
-COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [_add_ckpt_to_hf]
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model")
+
+
+def merge_lora(args: argparse.Namespace) -> None:
+    """Merge a LoRA adapter into its base Hugging Face model and save the result in fp32."""
+    from forge_lightning.modules.llm import DecoderLM, LLMConfig, load_pretrained, save_pretrained
+    from forge_lightning.modules.lora import merge_adapter
+
+    base, adapter = Path(args.base), Path(args.adapter)
+    if not (base / "config.json").is_file():
+        raise SystemExit(f"forge-convert: no config.json in base model directory {base}")
+    if not (adapter / "adapter_config.json").is_file():
+        raise SystemExit(f"forge-convert: no adapter_config.json in adapter directory {adapter}")
+    config = LLMConfig.load(base)
+    model = load_pretrained(DecoderLM(config).float(), base)
+    merged = merge_adapter(model, adapter)
+    save_pretrained(merged, config, args.output, dtype=torch.float32, overwrite=args.overwrite)
+    # The tokenizer travels with the model: the adapter's (saved with the fine-tuning data) or else the base's.
+    source = adapter if (adapter / "tokenizer_config.json").is_file() else base
+    for name in _TOKENIZER_FILES:
+        if (source / name).is_file():
+            shutil.copy2(source / name, Path(args.output) / name)
+    print(f"wrote {args.output}")
+
+
+def _add_merge_lora(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("merge-lora", help="LoRA adapter + base Hugging Face model -> merged fp32 checkpoint")
+    p.add_argument("--base", required=True, help="base Hugging Face model directory")
+    p.add_argument("--adapter", required=True, help="PEFT adapter directory (adapter_config.json)")
+    p.add_argument("--output", required=True, help="output directory")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.set_defaults(func=merge_lora)
+
+
+def _add_megatron(sub: argparse._SubParsersAction) -> None:
+    """``hf-to-megatron`` / ``megatron-to-hf``, when megatron-core (the ``megatron`` extra) is installed."""
+    try:
+        from forge_lightning.strategies.megatron.convert import add_commands
+    except ImportError:
+        return
+    add_commands(sub)
+
+
+COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
+    _add_ckpt_to_hf,
+    _add_merge_lora,
+    _add_megatron,
+]
 
 
 def main(argv: list[str] | None = None) -> None:

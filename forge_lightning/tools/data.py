@@ -3,8 +3,10 @@
 ``forge-data pretrain --input A.jsonl B.txt DIR/ --tokenizer TOK --output-prefix OUT [--workers N]`` tokenizes
 documents into a Megatron indexed dataset (``OUT.bin`` / ``OUT.idx``). ``forge-data train-tokenizer --input ...
 --vocab-size N --output DIR`` trains a byte-level BPE tokenizer. ``forge-data quickstart --output DIR`` builds
-the quick-start data (tokenizer + dataset) from the Python standard library's own sources. Later subcommands
-plug in as one function each in ``COMMANDS``.
+the quick-start data (tokenizer + dataset) from the Python standard library's own sources. ``forge-data sft --check
+FILE --tokenizer DIR [--template NAME] [--num N]`` prints rendered chat samples with the trained tokens highlighted.
+``forge-data sft-quickstart --output DIR`` writes the fine-tuning quick start's chat data and tokenizer. Later
+subcommands plug in as one function each in ``COMMANDS``.
 
 Inputs are ``.jsonl`` files (one document per line, text under ``--json-key``), ``.txt`` files (one document
 per file, or per line with ``--split-lines``) and directories (their ``.jsonl`` / ``.txt`` files, recursively,
@@ -44,6 +46,7 @@ from forge_lightning.datamodules.tokenizer import (
     load_tokenizer,
     train_bpe_tokenizer,
 )
+from forge_lightning.tools import lerobot_data
 
 INPUT_SUFFIXES = (".jsonl", ".txt")
 QUICKSTART_PREFIX = "stdlib_text_document"
@@ -463,6 +466,74 @@ def quickstart(args: argparse.Namespace) -> None:
     )
 
 
+def sft_check(args: argparse.Namespace) -> None:
+    """Print the first rendered chat samples of a file with their trained tokens highlighted."""
+    from rich.text import Text
+
+    from forge_lightning.datamodules.chat import ChatEncoder, ChatFormatError, read_conversations
+
+    tokenizer = load_tokenizer(args.tokenizer)
+    try:
+        encoder = ChatEncoder(tokenizer.backend, args.template, train_on=args.train_on)
+        conversations = read_conversations(args.check, args.format)
+        for k, conversation in zip(range(args.num), conversations):
+            encoded = encoder.encode(conversation)
+            text = Text()
+            for start, end, trained in encoded.segments:
+                piece = tokenizer.decode(encoded.tokens[start:end].tolist())
+                text.append(piece, style="bold black on green" if trained else "dim")
+            trained = int(encoded.trainable[1:].sum())
+            console.rule(
+                f"sample {k} ({conversation.source}): {len(encoded.tokens)} tokens, {trained} trained"
+            )
+            console.print(text)
+    except (ChatFormatError, ValueError) as error:
+        raise DataError(str(error)) from None
+    console.print(
+        f"template {encoder.template.name!r}, train_on {args.train_on!r}: trained tokens are highlighted"
+    )
+
+
+def build_sft_quickstart(
+    output_dir: str | os.PathLike, *, num_train: int = 4000, num_val: int = 200, seed: int = 0
+) -> dict:
+    """Write the fine-tuning quick start's data: unit-conversion dialogues and a ChatML tokenizer.
+
+    ``OUTPUT_DIR/train.jsonl`` and ``OUTPUT_DIR/val.jsonl`` hold dialogues in the three chat formats; no validation
+    question appears in training. ``OUTPUT_DIR/tokenizer/`` is a byte-level BPE trained on the dialogues with
+    their digits removed, so every digit stays a token of its own (numbers are then copied digit by digit, which a
+    tiny model learns in minutes), plus the ChatML special tokens and template.
+
+    Returns:
+        Sizes and paths of what was written.
+    """
+    import re
+
+    from forge_lightning.datamodules.chat import add_chat_template
+    from forge_lightning.datamodules.unit_dialogues import final_question, unit_dialogues
+
+    output = Path(output_dir)
+    output.mkdir(parents=True, exist_ok=True)
+    val = unit_dialogues(num_val, seed=seed + 1)
+    train = unit_dialogues(num_train, seed=seed, exclude={final_question(r) for r in val})
+    for name, records in (("train.jsonl", train), ("val.jsonl", val)):
+        (output / name).write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    texts = [re.sub(r"[0-9]", " ", json.dumps(r)) for r in train]
+    tokenizer = train_bpe_tokenizer(texts, 384, output / QUICKSTART_TOKENIZER)
+    add_chat_template(output / QUICKSTART_TOKENIZER, "chatml")
+    record = {"train": len(train), "val": len(val), "tokenizer_vocab_size": tokenizer.vocab_size + 2}
+    console.print(
+        f"sft quick-start data: {len(train)} train / {len(val)} held-out dialogues and a "
+        f"{record['tokenizer_vocab_size']}-token ChatML tokenizer in {output}"
+    )
+    return record
+
+
+def sft_quickstart(args: argparse.Namespace) -> None:
+    """Write the fine-tuning quick-start data."""
+    build_sft_quickstart(args.output, num_train=args.num_train, num_val=args.num_val, seed=args.seed)
+
+
 def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
@@ -518,10 +589,41 @@ def _add_quickstart(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=quickstart)
 
 
+def _add_sft(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sft", help="check chat data: print rendered samples with the trained tokens highlighted"
+    )
+    p.add_argument("--check", required=True, help="chat JSONL file (Alpaca, ShareGPT or OpenAI format)")
+    p.add_argument("--tokenizer", required=True, help="Hugging Face tokenizer directory")
+    p.add_argument(
+        "--template", default=None, help="chatml, qwen, llama3 or a .jinja file (default: the tokenizer's)"
+    )
+    p.add_argument("--format", default="auto", help="auto, alpaca, sharegpt or openai (default: auto)")
+    p.add_argument(
+        "--train-on", default="assistant", help="assistant, last_assistant or all (default: assistant)"
+    )
+    p.add_argument("--num", type=_positive_int, default=3, help="samples to print (default: 3)")
+    p.set_defaults(func=sft_check)
+
+
+def _add_sft_quickstart(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sft-quickstart", help="unit-conversion chat data + ChatML tokenizer for the SFT quick start"
+    )
+    p.add_argument("--output", required=True, help="output directory (train.jsonl, val.jsonl, tokenizer/)")
+    p.add_argument("--num-train", type=_positive_int, default=4000, help="training dialogues (default: 4000)")
+    p.add_argument("--num-val", type=_positive_int, default=200, help="held-out dialogues (default: 200)")
+    p.add_argument("--seed", type=int, default=0, help="random seed (default: 0)")
+    p.set_defaults(func=sft_quickstart)
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_pretrain,
     _add_train_tokenizer,
     _add_quickstart,
+    _add_sft,
+    _add_sft_quickstart,
+    lerobot_data.add_commands,
 ]
 
 

@@ -6,11 +6,30 @@ Data flow of :class:`Attention` (B batch, S new tokens, H query heads, K key/val
                     ├─ k_proj ─ view [B,S,K,D] ─ k_norm ─ RoPE ─┼─ (KV cache) ─ attention() ─ o_proj
                     └─ v_proj ─ view [B,S,K,D] ─────────────────┘
 
-:func:`attention` is the one place a kernel is chosen, so other backends (FlexAttention, varlen) plug in there
-without touching model code.
+:func:`attention` is the one place a kernel is chosen. Packed sequences (several documents per row, see
+``forge_lightning.datamodules.packing``) attend within each document through a :class:`DocumentMask`, built once
+per forward by the backend chosen in config:
+
+=========  ======================================================================  ==========================
+backend    packed attention                                                         where
+=========  ======================================================================  ==========================
+``sdpa``   SDPA with an explicit block-diagonal causal boolean mask ``[B,1,S,S]``   everywhere (CPU training)
+``flex``   FlexAttention with a document ``BlockMask`` (compiled on CUDA), which    CUDA (fwd + bwd); CPU
+           skips the blocks outside the documents                                   forward only (eager)
+``varlen`` ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen) on     CUDA, fp16 / bf16
+           the flattened batch with ``cu_seqlens``
+``auto``   ``flex`` on CUDA, ``sdpa`` elsewhere
+=========  ======================================================================  ==========================
+
+Rows without document boundaries always use SDPA's causal kernel. The dense mask is O(S^2) memory: use it for CPU
+and tests, a kernel backend for long sequences on GPU.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +39,125 @@ from forge_lightning.modules.layers.mlp import init_linear
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import apply_rotary
 
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
+"""Attention backends for packed sequences (see the module docstring)."""
 
-def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, mask: Tensor | None = None) -> Tensor:
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend for ``backend`` on ``device`` (``auto``: ``flex`` on CUDA, ``sdpa`` elsewhere)."""
+    if backend not in ATTENTION_BACKENDS:
+        raise ValueError(f"attention_backend ({backend!r}) must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if backend == "auto":
+        return "flex" if device.type == "cuda" else "sdpa"
+    if backend == "varlen" and device.type != "cuda":
+        raise ValueError(
+            f"attention_backend 'varlen' needs CUDA (FlashAttention), got device {device.type!r}"
+        )
+    return backend
+
+
+def document_positions(document_ids: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at 0 at each document start, from ``document_ids`` ``[..., S]`` (non-decreasing)."""
+    seq = document_ids.shape[-1]
+    index = torch.arange(seq, device=document_ids.device).expand_as(document_ids)
+    starts = torch.ones_like(document_ids, dtype=torch.bool)
+    starts[..., 1:] = document_ids[..., 1:] != document_ids[..., :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(dim=-1).values
+    return index - first
+
+
+def document_lengths(document_ids: Tensor) -> Tensor:
+    """Token counts of the documents of packed rows ``[B, S]``, row by row (a row boundary ends a document)."""
+    B, S = document_ids.shape
+    rows_B1 = torch.arange(B, device=document_ids.device)[:, None] * (S + 1)
+    return torch.unique_consecutive((document_ids + rows_B1).flatten(), return_counts=True)[1]
+
+
+@dataclass
+class DocumentMask:
+    """Causal attention restricted to each document of packed rows, in the form one backend consumes.
+
+    Build with :meth:`build` once per forward and pass it to every layer.
+
+    Args:
+        document_ids: ``[B, S]`` non-decreasing document index of every token of each row.
+        backend: ``sdpa``, ``flex`` or ``varlen``.
+        dense: ``[B, 1, S, S]`` boolean mask (``sdpa``).
+        block_mask: FlexAttention ``BlockMask`` (``flex``).
+        cu_seqlens: ``[num_documents + 1]`` int32 document offsets in the flattened batch (``varlen``).
+        max_seqlen: longest document (``varlen``).
+    """
+
+    document_ids: Tensor
+    backend: str
+    dense: Tensor | None = None
+    block_mask: Any = None
+    cu_seqlens: Tensor | None = None
+    max_seqlen: int = 0
+
+    @classmethod
+    def build(cls, document_ids: Tensor, backend: str = "auto") -> DocumentMask:
+        """Prepare the mask of ``document_ids`` ``[B, S]`` for ``backend`` (see :data:`ATTENTION_BACKENDS`)."""
+        backend = resolve_attention_backend(backend, document_ids.device)
+        B, S = document_ids.shape
+        if backend == "sdpa":
+            same_doc_BSS = document_ids[:, :, None] == document_ids[:, None, :]
+            causal_SS = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
+            return cls(document_ids, backend, dense=(same_doc_BSS & causal_SS)[:, None])
+        if backend == "flex":
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            def same_document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
+
+            block_mask = create_block_mask(same_document_causal, B, None, S, S, device=document_ids.device)
+            return cls(document_ids, backend, block_mask=block_mask)
+        counts = document_lengths(document_ids)  # documents of the flattened batch
+        cu_seqlens = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
+        return cls(document_ids, backend, cu_seqlens=cu_seqlens, max_seqlen=int(counts.max()))
+
+
+def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask) -> Tensor:
+    """Causal attention within documents, ``[B, H, S, D]`` in and out, on the mask's backend."""
+    B, H, S, D = q.shape
+    gqa = q.shape[1] != k.shape[1]
+    if documents.backend == "flex":
+        return _flex_kernel(q.device.type == "cuda")(q, k, v, block_mask=documents.block_mask, enable_gqa=gqa)
+    if documents.backend == "varlen":
+        from torch.nn.attention.varlen import varlen_attn
+
+        def flat(x: Tensor) -> Tensor:  # [B, heads, S, D] -> [B*S, heads, D]
+            return x.transpose(1, 2).reshape(B * S, x.shape[1], D)
+
+        cu, longest = documents.cu_seqlens, documents.max_seqlen
+        out_NHD = varlen_attn(
+            flat(q), flat(k), flat(v), cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=gqa
+        )
+        return out_NHD.view(B, S, H, D).transpose(1, 2)
+    if gqa:
+        num_rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(num_rep, dim=1), v.repeat_interleave(num_rep, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense)
+
+
+@functools.cache
+def _flex_kernel(compiled: bool) -> Any:
+    # Compiled FlexAttention generates a fused kernel that skips masked blocks; eager FlexAttention materialises
+    # the scores (and has no CPU backward), so it is only used for forward checks on CPU.
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=False) if compiled else flex_attention
+
+
+def attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    mask: Tensor | None = None,
+    documents: DocumentMask | None = None,
+) -> Tensor:
     """Scaled dot-product attention over ``[B, H, S, D]`` tensors, with grouped-query key/value heads.
 
     When ``causal``, queries are the *last* ``S_q`` positions of the ``S_kv`` keys (bottom-right alignment), so
@@ -33,11 +169,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = True, mask: Ten
         v: values ``[B, K, S_kv, D]``.
         causal: apply the causal constraint.
         mask: optional boolean (True = attend) or additive float mask broadcastable to ``[B, 1, S_q, S_kv]``;
-            it restricts attention further (e.g. to one packed document) and is combined with the causal mask.
+            it restricts attention further and is combined with the causal mask.
+        documents: packed-document mask (causal within each document); excludes ``mask`` and a KV cache.
 
     Returns:
         ``[B, H, S_q, D]``.
     """
+    if documents is not None:
+        if mask is not None or not causal or q.shape[2] != k.shape[2]:
+            raise ValueError("packed documents need causal self-attention without another mask or a KV cache")
+        return _document_attention(q, k, v, documents)
     num_rep = q.shape[1] // k.shape[1]
     if num_rep > 1:
         # Expanded explicitly: SDPA's `enable_gqa` is not honoured by every backend (masked inputs fall back).
@@ -161,6 +302,7 @@ class Attention(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         mask: Tensor | None = None,
+        documents: DocumentMask | None = None,
     ) -> Tensor:
         """Attend ``x`` ``[B, S, hidden]`` to itself (and to ``kv_cache``'s positions); return ``[B, S, hidden]``.
 
@@ -169,14 +311,16 @@ class Attention(nn.Module):
             rope: ``(cos, sin)`` for the new positions, from :class:`~forge_lightning.modules.layers.RotaryEmbedding`.
             kv_cache: this layer's cache; the new keys/values are appended to it.
             mask: optional extra mask, see :func:`attention`.
+            documents: packed-document mask, see :func:`attention`.
         """
         B, S, _ = x_BSD.shape
-        q_BSHD = self.q_norm(self.q_proj(x_BSD).view(B, S, self.num_heads, self.head_dim))
-        k_BSKD = self.k_norm(self.k_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim))
-        v_BSKD = self.v_proj(x_BSD).view(B, S, self.num_kv_heads, self.head_dim)
+        # Head counts come from the projections' outputs, so a tensor-parallel shard sees its local heads.
+        q_BSHD = self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim))
+        k_BSKD = self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim))
+        v_BSKD = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
         q_BSHD, k_BSKD = apply_rotary(q_BSHD, *rope), apply_rotary(k_BSKD, *rope)
         q, k, v = q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)  # [B, heads, S, D]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        out_BHSD = attention(q, k, v, causal=True, mask=mask)
-        return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, self.num_heads * self.head_dim))
+        out_BHSD = attention(q, k, v, causal=True, mask=mask, documents=documents)
+        return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, -1))

@@ -5,6 +5,9 @@ Submodule names follow Hugging Face (``model.embed_tokens``, ``model.layers.N.se
 
     input_ids ─ embed_tokens ─ [DecoderLayer] x num_layers ─ norm ─ (hidden_states) ─ lm_head ─ logits
                                  x + attn(norm(x)); x + mlp(norm(x))
+
+Packed rows (several documents per sequence) pass ``document_ids``: attention stays within each document and,
+unless ``position_ids`` are given, positions restart at every document.
 """
 
 from __future__ import annotations
@@ -12,7 +15,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from forge_lightning.modules.layers import Attention, GatedMLP, KVCache, RMSNorm, RotaryEmbedding
+from forge_lightning.modules.layers import (
+    Attention,
+    DocumentMask,
+    GatedMLP,
+    KVCache,
+    RMSNorm,
+    RotaryEmbedding,
+)
+from forge_lightning.modules.layers.attention import document_positions, resolve_attention_backend
 from forge_lightning.modules.llm.config import LLMConfig
 
 
@@ -52,8 +63,11 @@ class DecoderLayer(nn.Module):
         *,
         kv_cache: KVCache | None = None,
         mask: Tensor | None = None,
+        documents: DocumentMask | None = None,
     ) -> Tensor:
-        x_BSD = x_BSD + self.self_attn(self.input_layernorm(x_BSD), rope, kv_cache=kv_cache, mask=mask)
+        x_BSD = x_BSD + self.self_attn(
+            self.input_layernorm(x_BSD), rope, kv_cache=kv_cache, mask=mask, documents=documents
+        )
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
 
 
@@ -62,10 +76,13 @@ class DecoderModel(nn.Module):
 
     Args:
         config: the model's configuration.
+        attention_backend: kernel for packed rows (see ``forge_lightning.modules.layers.attention``).
     """
 
-    def __init__(self, config: LLMConfig) -> None:
+    def __init__(self, config: LLMConfig, *, attention_backend: str = "auto") -> None:
         super().__init__()
+        resolve_attention_backend(attention_backend, torch.device("cpu"))  # validates the name early
+        self.attention_backend = attention_backend
         self.init_std = config.initializer_range
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
@@ -82,8 +99,18 @@ class DecoderModel(nn.Module):
         *,
         kv_cache: list[KVCache] | None = None,
         attention_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[B, S, hidden]``; see :meth:`DecoderLM.forward` for the arguments."""
+        documents = None
+        if document_ids is not None:
+            if kv_cache is not None or attention_mask is not None:
+                raise ValueError(
+                    "document_ids (packed rows) cannot be combined with a KV cache or attention_mask"
+                )
+            documents = DocumentMask.build(document_ids, self.attention_backend)
+            if position_ids is None:
+                position_ids = document_positions(document_ids)
         if position_ids is None:
             start = kv_cache[0].length if kv_cache is not None else 0
             position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[
@@ -92,9 +119,8 @@ class DecoderModel(nn.Module):
         rope = self.rotary_emb(position_ids)
         x_BSD = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
-            x_BSD = layer(
-                x_BSD, rope, kv_cache=None if kv_cache is None else kv_cache[i], mask=attention_mask
-            )
+            cache = None if kv_cache is None else kv_cache[i]
+            x_BSD = layer(x_BSD, rope, kv_cache=cache, mask=attention_mask, documents=documents)
         return self.norm(x_BSD)
 
 
@@ -105,12 +131,14 @@ class DecoderLM(nn.Module):
 
     Args:
         config: the model's configuration.
+        attention_backend: kernel for packed rows: ``auto``, ``sdpa``, ``flex`` or ``varlen`` (see
+            ``forge_lightning.modules.layers.attention``).
     """
 
-    def __init__(self, config: LLMConfig) -> None:
+    def __init__(self, config: LLMConfig, *, attention_backend: str = "auto") -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderModel(config)
+        self.model = DecoderModel(config, attention_backend=attention_backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_weights()
 
@@ -143,12 +171,19 @@ class DecoderLM(nn.Module):
         *,
         kv_cache: list[KVCache] | None = None,
         attention_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[B, S, hidden]`` (what a fused / chunked cross-entropy consumes).
 
         Arguments as for :meth:`forward`.
         """
-        return self.model(input_ids, position_ids, kv_cache=kv_cache, attention_mask=attention_mask)
+        return self.model(
+            input_ids,
+            position_ids,
+            kv_cache=kv_cache,
+            attention_mask=attention_mask,
+            document_ids=document_ids,
+        )
 
     def forward(
         self,
@@ -157,6 +192,7 @@ class DecoderLM(nn.Module):
         *,
         kv_cache: list[KVCache] | None = None,
         attention_mask: Tensor | None = None,
+        document_ids: Tensor | None = None,
     ) -> Tensor:
         """Logits ``[B, S, vocab]`` for token ids ``[B, S]``.
 
@@ -166,11 +202,19 @@ class DecoderLM(nn.Module):
             kv_cache: one :class:`KVCache` per layer (see :meth:`init_kv_cache`); the new keys/values are
                 appended and attention covers every cached position (causal within the new tokens).
             attention_mask: optional boolean (True = attend) or additive mask broadcastable to
-                ``[B, 1, S, S_kv]``, combined with the causal mask (e.g. block-diagonal for packed documents).
+                ``[B, 1, S, S_kv]``, combined with the causal mask.
+            document_ids: ``[B, S]`` document index of each token of packed rows (non-decreasing per row):
+                attention stays within each document; positions restart per document unless ``position_ids``
+                are given.
         """
-        return self.lm_head(
-            self.hidden_states(input_ids, position_ids, kv_cache=kv_cache, attention_mask=attention_mask)
+        hidden_BSD = self.hidden_states(
+            input_ids,
+            position_ids,
+            kv_cache=kv_cache,
+            attention_mask=attention_mask,
+            document_ids=document_ids,
         )
+        return self.lm_head(hidden_BSD)
 
     def init_kv_cache(
         self,

@@ -12,10 +12,12 @@ from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
 from forge_lightning.kernels import fused_linear_cross_entropy
-from forge_lightning.modules.llm.config import LLMConfig, llm_flops_per_token
+from forge_lightning.modules.layers.attention import document_lengths
+from forge_lightning.modules.llm.config import LLMConfig, attention_flops_per_token, llm_flops_per_token
 from forge_lightning.modules.llm.generation import generate
 from forge_lightning.modules.llm.hf import load_pretrained, save_pretrained
 from forge_lightning.modules.llm.model import DecoderLM
+from forge_lightning.modules.lora import LoRAConfig, apply_lora, save_adapter
 from forge_lightning.modules.plan import Component, ParallelPlan
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
 
@@ -74,6 +76,10 @@ class CausalLM(pl.LightningModule):
         z_loss: weight of the z-loss (``z_loss * logsumexp(logits)^2`` per token) that keeps logits small.
         ignore_index: label value excluded from the loss.
         kernel_backend: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``torch`` for fused kernels.
+        attention_backend: kernel for packed batches (``document_ids``): ``auto`` (FlexAttention on CUDA, SDPA
+            with a block-diagonal mask elsewhere), ``sdpa``, ``flex`` or ``varlen``.
+        lora: LoRA adapters (see :class:`~forge_lightning.modules.lora.LoRAConfig`); only they (and
+            ``modules_to_save``) train, and :meth:`save_pretrained` writes a PEFT adapter.
     """
 
     def __init__(
@@ -87,6 +93,8 @@ class CausalLM(pl.LightningModule):
         z_loss: float = 0.0,
         ignore_index: int = -100,
         kernel_backend: str = "auto",
+        attention_backend: str = "auto",
+        lora: LoRAConfig | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
         self.config = LLMConfig.load(config)
@@ -96,6 +104,8 @@ class CausalLM(pl.LightningModule):
         self.z_loss = z_loss
         self.ignore_index = ignore_index
         self.kernel_backend = kernel_backend
+        self.attention_backend = attention_backend
+        self.lora_config: LoRAConfig | None = None if lora is None else _as(LoRAConfig, lora)
         # Plain containers only, so checkpoints load with weights_only=True.
         self.save_hyperparameters(
             {
@@ -106,11 +116,19 @@ class CausalLM(pl.LightningModule):
                 "z_loss": z_loss,
                 "ignore_index": ignore_index,
                 "kernel_backend": kernel_backend,
+                "attention_backend": attention_backend,
+                "lora": None if self.lora_config is None else dataclasses.asdict(self.lora_config),
             }
         )
-        self.model = DecoderLM(self.config)
+        self.model = DecoderLM(self.config, attention_backend=attention_backend)
         if pretrained is not None:
             load_pretrained(self.model, pretrained)
+        # The PEFT wrapper is kept outside the module tree: the adapted layers already live in self.model.
+        self.__dict__["_peft_model"] = None
+        if self.lora_config is not None:
+            self.__dict__["_peft_model"] = apply_lora(
+                self.model, self.lora_config, base_model_name_or_path=pretrained
+            )
         self._loss_norm: tuple[int, torch.Tensor] | None = None
         self._step_loss_sum: torch.Tensor | None = None
         self._eval_sums: torch.Tensor | None = None
@@ -130,9 +148,23 @@ class CausalLM(pl.LightningModule):
     def save_pretrained(
         self, path: str | Path, dtype: torch.dtype | None = None, overwrite: bool = False
     ) -> None:
-        """Write a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads."""
-        if self._trainer is None or self.trainer.is_global_zero:
-            save_pretrained(self.model, self.config, path, dtype=dtype, overwrite=overwrite)
+        """Write a Hugging Face directory that ``transformers.AutoModelForCausalLM.from_pretrained`` loads.
+
+        Under a strategy that shards parameters, every rank must call this. With LoRA, write the PEFT adapter
+        instead (``adapter_config.json`` + ``adapter_model.safetensors``), which
+        ``peft.PeftModel.from_pretrained`` loads onto the base model and ``forge-convert merge-lora`` merges.
+        """
+        if self._peft_model is not None:
+            if self._trainer is None or self.trainer.is_global_zero:
+                save_adapter(self._peft_model, path)
+        else:
+            # A strategy that shards parameters gathers them (collectively) to host memory on rank 0.
+            gather = getattr(self.trainer.strategy, "full_model_state_dict", None) if self._trainer else None
+            state = gather(self.model) if callable(gather) else None
+            if self._trainer is None or self.trainer.is_global_zero:
+                save_pretrained(
+                    self.model, self.config, path, dtype=dtype, overwrite=overwrite, state_dict=state
+                )
         if self._trainer is not None:
             self.trainer.strategy.barrier("save_pretrained")
 
@@ -145,13 +177,23 @@ class CausalLM(pl.LightningModule):
 
     # ----- forward and loss ----------------------------------------------------------------------------------
     @override
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits ``[batch, seq, vocab]`` of ``input_ids`` ``[batch, seq]``."""
-        return self.model(input_ids, position_ids=position_ids)
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        document_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Logits ``[batch, seq, vocab]`` of ``input_ids`` ``[batch, seq]`` (packed rows: with ``document_ids``)."""
+        return self.model(input_ids, position_ids=position_ids, document_ids=document_ids)
 
     def loss_sum(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sum of per-token losses, number of trainable tokens) of a micro-batch."""
-        hidden_BSH = self.model.hidden_states(batch["input_ids"], position_ids=batch.get("position_ids"))
+        """(sum of per-token losses, number of trainable tokens) of a micro-batch.
+
+        A packed batch (``document_ids`` present) attends within each document only.
+        """
+        hidden_BSH = self.model.hidden_states(
+            batch["input_ids"], position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids")
+        )
         labels_N = batch["labels"].reshape(-1)
         loss = fused_linear_cross_entropy(
             hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
@@ -262,14 +304,20 @@ class CausalLM(pl.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
     def batch_stats(self, batch: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Samples, tokens and training FLOPs of a micro-batch (for the throughput monitor)."""
+        """Samples, tokens and training FLOPs of a micro-batch (for the throughput monitor).
+
+        For packed batches the attention FLOPs are those of the actual documents (``document_ids``), not of a
+        full ``seq x seq`` square per row.
+        """
         batch_size, seq_len = batch["input_ids"].shape
         tokens = batch_size * seq_len
-        return {
-            "samples": batch_size,
-            "tokens": tokens,
-            "flops": llm_flops_per_token(self.config, seq_len) * tokens,
-        }
+        flops = llm_flops_per_token(self.config, seq_len) * tokens
+        document_ids = batch.get("document_ids")
+        if document_ids is not None:
+            lengths = document_lengths(document_ids).tolist()
+            dense = attention_flops_per_token(self.config, [seq_len])
+            flops += (attention_flops_per_token(self.config, lengths) - dense) * tokens
+        return {"samples": batch_size, "tokens": tokens, "flops": flops}
 
     @override
     def setup(self, stage: str) -> None:

@@ -1,0 +1,83 @@
+"""megatron-core's optimizer (optionally the DistributedOptimizer) and our LR schedule, from the module's configs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_scheduler
+
+
+def _no_decay(decay_all: bool) -> Any:
+    """megatron param-group overrides reproducing ``forge_lightning.optim.param_groups``'s decay rule."""
+    from megatron.core.optimizer import ParamGroupOverride, ParamKey, ParamWithNamePredicate
+
+    if decay_all:
+        return {}
+    # Norm weights, biases and the embedding (tied or not) are not decayed; matrices are.
+    rule = ParamWithNamePredicate(
+        name="norms_biases_embeddings",
+        fn=lambda param, name: param.ndim < 2 or "word_embeddings" in name,
+    )
+    return {ParamKey(with_name_predicate=rule): ParamGroupOverride(wd_mult=0.0)}
+
+
+def build_megatron_optimizer(
+    chunks: list[nn.Module],
+    config: OptimizerConfig,
+    *,
+    use_distributed_optimizer: bool,
+    overlap_param_gather: bool,
+    clip_grad: float,
+    bf16: bool,
+) -> Any:
+    """megatron-core's (chained) optimizer over the DDP-wrapped ``chunks``.
+
+    Args:
+        chunks: the model chunks, wrapped in megatron's ``DistributedDataParallel``.
+        config: the module's optimizer settings (``adamw``, ``adam`` or ``sgd``).
+        use_distributed_optimizer: shard the optimizer state (and fp32 main weights) over data-parallel ranks.
+        overlap_param_gather: overlap the DistributedOptimizer's parameter all-gather with the next forward.
+        clip_grad: global gradient-norm clip (0: off), computed across every parallel group.
+        bf16: the model holds bf16 parameters (the optimizer keeps fp32 main weights).
+    """
+    from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    megatron_config = MegatronOptimizerConfig(
+        optimizer="sgd" if config.name == "sgd" else "adam",
+        lr=config.lr,
+        weight_decay=config.weight_decay,
+        adam_beta1=config.betas[0],
+        adam_beta2=config.betas[1],
+        adam_eps=config.eps,
+        decoupled_weight_decay=config.name == "adamw",
+        sgd_momentum=config.momentum,
+        use_distributed_optimizer=use_distributed_optimizer,
+        overlap_param_gather=overlap_param_gather,
+        clip_grad=clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )
+    optimizer = get_megatron_optimizer(
+        megatron_config, chunks, config_overrides=_no_decay(config.decay_norms_biases_embeddings)
+    )
+    # megatron's own scheduler sets each group's weight decay from its multiplier every step; ours sets the LR
+    # only, so apply the multipliers once here.
+    for inner in torch_optimizers(optimizer):
+        for group in inner.param_groups:
+            group["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
+    return optimizer
+
+
+def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers inside a megatron (chained) optimizer, whose param groups carry the LR."""
+    chained = getattr(optimizer, "chained_optimizers", [optimizer])
+    return [opt.optimizer for opt in chained]
+
+
+def build_schedulers(optimizer: Any, config: SchedulerConfig, total_steps: int) -> list[Any]:
+    """One ``LambdaLR`` of ``config`` per torch optimizer inside the megatron optimizer."""
+    return [build_scheduler(inner, config, total_steps) for inner in torch_optimizers(optimizer)]

@@ -1,0 +1,372 @@
+"""``MegatronStrategy``: megatron-core (TP / PP / VPP / SP, DDP, DistributedOptimizer) as a Lightning backend.
+
+The LightningModule stays what it is under every strategy (e.g. ``CausalLM`` with its ``LLMConfig``); this
+strategy builds the module's megatron-core twin (``forge_lightning.modules.llm.megatron``), copies the module's
+weights into it (each rank keeps its TP shard of its pipeline stage) and trains the twin::
+
+    Lightning loop, automatic optimisation, accumulate_grad_batches = N micro-batches per step
+      training_step x N ──> the strategy buffers the micro-batches; on the N-th it runs megatron's schedule
+                            (forward + backward of all N, pipelined; see schedule.py) and logs train/loss
+      backward            ──> nothing: the schedule did it (no double backward)
+      optimizer_step      ──> megatron optimizer.step() (grad clipping, DistributedOptimizer all-gather)
+      lr_scheduler.step() ──> the module's SchedulerConfig, as a LambdaLR on megatron's param groups
+
+The one batch rule maps onto megatron's knobs: ``data.batch_size`` is megatron's micro-batch size,
+``accumulate_grad_batches`` its number of micro-batches, and the global batch is their product times the
+data-parallel size (world / (TP × PP)).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.trainer import call
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from torch import nn
+from typing_extensions import override
+
+from forge_lightning.strategies.megatron import model as twin
+from forge_lightning.strategies.megatron.optimizer import build_megatron_optimizer, build_schedulers
+from forge_lightning.strategies.megatron.schedule import run_schedule
+
+_PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16-true": True}
+
+
+class MegatronStrategy(ParallelStrategy):
+    """megatron-core as a Lightning strategy, with megatron-core's option names.
+
+    Registered as ``megatron``. Data parallelism is what the world has left: ``world / (TP × PP)`` ranks.
+
+    Args:
+        tensor_model_parallel_size: TP ranks (keep within a node); must divide heads, key/value heads and vocab.
+        pipeline_model_parallel_size: pipeline stages (1F1B schedule); must divide the layers.
+        virtual_pipeline_model_parallel_size: model chunks per stage (interleaved 1F1B); ``None``: one.
+        sequence_parallel: with TP, shard norms / dropout / residual stream on the sequence.
+        context_parallel_size: accepted for the option's name; only 1 is supported yet.
+        expert_model_parallel_size: accepted for the option's name; only 1 is supported yet (dense models).
+        use_distributed_optimizer: shard optimizer state and fp32 main weights over data-parallel ranks.
+        overlap_grad_reduce: overlap the gradient reduce(-scatter) with backward (bucketed).
+        overlap_param_gather: overlap the DistributedOptimizer's parameter all-gather with the next forward.
+        use_transformer_engine: TE layer spec (``None``: when TE is importable).
+        process_group_backend: ``nccl``, ``gloo``...; default from the device.
+        timeout: collective timeout.
+    """
+
+    strategy_name = "megatron"
+    owns_checkpoint_io = True
+
+    def __init__(
+        self,
+        tensor_model_parallel_size: int = 1,
+        pipeline_model_parallel_size: int = 1,
+        virtual_pipeline_model_parallel_size: int | None = None,
+        sequence_parallel: bool = False,
+        context_parallel_size: int = 1,
+        expert_model_parallel_size: int = 1,
+        use_distributed_optimizer: bool = False,
+        overlap_grad_reduce: bool = False,
+        overlap_param_gather: bool = False,
+        use_transformer_engine: bool | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__()
+        self.tensor_model_parallel_size = tensor_model_parallel_size
+        self.pipeline_model_parallel_size = pipeline_model_parallel_size
+        self.virtual_pipeline_model_parallel_size = virtual_pipeline_model_parallel_size
+        self.sequence_parallel = sequence_parallel
+        self.context_parallel_size = context_parallel_size
+        self.expert_model_parallel_size = expert_model_parallel_size
+        self.use_distributed_optimizer = use_distributed_optimizer
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.overlap_param_gather = overlap_param_gather
+        self.use_transformer_engine = use_transformer_engine
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._num_nodes = 1
+        self._parallel_ready = False
+        self._chunks: list[nn.Module] = []
+        self._pending: list[dict[str, torch.Tensor]] = []
+        self._step_sums: torch.Tensor | None = None
+
+    # ----- processes and parallel groups ------------------------------------------------------------------------
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _SubprocessScriptLauncher(
+            self.cluster_environment, self.num_processes, self.num_nodes
+        )
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        reset_seed()
+        assert self.cluster_environment is not None
+        self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+        self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
+        dp = twin.validate_degrees(self.world_size, self._degrees())
+        from megatron.core import parallel_state
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=self.tensor_model_parallel_size,
+            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+        )
+        model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
+        self._parallel_ready = True
+        rank_zero_info(
+            f"{type(self).__name__}: TP={self.tensor_model_parallel_size} x PP={self.pipeline_model_parallel_size}"
+            f" (VPP={self.virtual_pipeline_model_parallel_size or 1}) x DP={dp} over {self.world_size} processes; "
+            f"sequence_parallel={self.sequence_parallel}, distributed optimizer={self.use_distributed_optimizer}"
+        )
+
+    def _degrees(self) -> dict[str, Any]:
+        return {
+            "tensor_model_parallel_size": self.tensor_model_parallel_size,
+            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
+            "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
+            "context_parallel_size": self.context_parallel_size,
+            "expert_model_parallel_size": self.expert_model_parallel_size,
+            "sequence_parallel": self.sequence_parallel,
+            "overlap_param_gather": self.overlap_param_gather,
+            "use_distributed_optimizer": self.use_distributed_optimizer,
+        }
+
+    def _require_parallel(self, what: str) -> Any:
+        if not self._parallel_ready:
+            raise RuntimeError(
+                f"{type(self).__name__}.{what} is only known after megatron's parallel groups are set up "
+                "(Trainer.fit / validate / test set them up)"
+            )
+        from megatron.core import parallel_state
+
+        return parallel_state
+
+    @property
+    def data_parallel_size(self) -> int:
+        """Number of data-parallel ranks (world / (TP × PP)); ranks of one model replica share a data rank."""
+        return self._require_parallel("data_parallel_size").get_data_parallel_world_size()
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This process's data-parallel index, in ``[0, data_parallel_size)``."""
+        return self._require_parallel("data_parallel_rank").get_data_parallel_rank()
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not torch.distributed.is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src)
+        return holder[0]
+
+    @override
+    def reduce(
+        self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> torch.Tensor | Any:
+        """Reduce over the data-parallel ranks only (the ranks of one model replica hold the same values)."""
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        dp_group = self._require_parallel("reduce").get_data_parallel_group()
+        return _sync_ddp_if_available(tensor, group if group is not None else dp_group, reduce_op)
+
+    # ----- building the twin ------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        bf16 = _bf16(trainer.precision)
+        self._chunks = twin.build_chunks(
+            self.lightning_module,
+            self._degrees(),
+            device=self.root_device,
+            bf16=bf16,
+            use_transformer_engine=self.use_transformer_engine,
+        )
+        self._chunks = twin.wrap_ddp(
+            self._chunks, self._degrees(), overlap_grad_reduce=self.overlap_grad_reduce
+        )
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+
+    @override
+    def model_to_device(self) -> None:
+        pass  # the twin is built on the device; the module's own copy of the weights stays where it is
+
+    @override
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        module = self.lightning_module
+        clip = trainer.gradient_clip_val or 0.0
+        if clip and trainer.gradient_clip_algorithm not in (None, "norm"):
+            raise NotImplementedError(
+                f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported by "
+                "MegatronStrategy; megatron clips by the global norm ('norm')"
+            )
+        optimizer = build_megatron_optimizer(
+            self._chunks,
+            module.optimizer_config,
+            use_distributed_optimizer=self.use_distributed_optimizer,
+            overlap_param_gather=self.overlap_param_gather,
+            clip_grad=float(clip),
+            bf16=_bf16(trainer.precision),
+        )
+        twin.connect_schedule(self._chunks, optimizer, self._degrees(), self.overlap_grad_reduce)
+        total = module.scheduler_config.total_steps or int(trainer.estimated_stepping_batches)
+        schedulers = build_schedulers(optimizer, module.scheduler_config, total)
+        self.optimizers = [optimizer]
+        self.lr_scheduler_configs = [LRSchedulerConfig(s, interval="step") for s in schedulers]
+
+    # ----- training ---------------------------------------------------------------------------------------------
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Buffer the micro-batch; on the last one of the optimizer step, run megatron's schedule over all."""
+        self._pending.append(args[0])
+        trainer = self.lightning_module.trainer
+        if len(self._pending) < trainer.accumulate_grad_batches:
+            return torch.zeros((), device=self.root_device)
+        batches, self._pending = self._pending, []
+        for chunk in self._chunks:
+            chunk.zero_grad_buffer()
+        self.optimizers[0].zero_grad()
+        sums = run_schedule(self._chunks, batches, ignore_index=self._ignore_index(), forward_only=False)
+        sums = self.reduce(sums, reduce_op="sum")
+        loss = (sums[0] / sums[1].clamp_min(1)).float()
+        self.lightning_module.log("train/loss", loss, prog_bar=True, rank_zero_only=True)
+        return loss
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return closure_loss  # megatron's schedule ran backward inside training_step
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        closure()  # the step's last training_step: the schedule (forward + backward of every micro-batch)
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        trainer = self.lightning_module.trainer
+        call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
+        call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        success, grad_norm, _ = optimizer.step()
+        if grad_norm is not None:
+            self.lightning_module.log("train/grad_norm", float(grad_norm), rank_zero_only=True)
+        return success
+
+    def _ignore_index(self) -> int:
+        return getattr(self.lightning_module, "ignore_index", -100)
+
+    # ----- evaluation -------------------------------------------------------------------------------------------
+    def _eval_step(self, prefix: str, batch: dict[str, torch.Tensor]) -> None:
+        for chunk in self._chunks:
+            chunk.eval()
+        with torch.no_grad():
+            sums = run_schedule(self._chunks, [batch], ignore_index=self._ignore_index(), forward_only=True)
+        sums = self.reduce(sums, reduce_op="sum")
+        for chunk in self._chunks:
+            chunk.train()
+        # Weighted by its tokens, Lightning's epoch mean of the per-batch means is the token mean of the epoch.
+        loss = (sums[0] / sums[1].clamp_min(1)).float()
+        tokens = max(int(sums[1]), 1)
+        self.lightning_module.log(
+            f"{prefix}/loss", loss, on_epoch=True, batch_size=tokens, rank_zero_only=True
+        )
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> None:
+        self._eval_step("val", args[0])
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> None:
+        self._eval_step("test", args[0])
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            "predict is not yet supported by MegatronStrategy: export the weights (full_model_state_dict or "
+            "forge-convert megatron-to-hf) and predict under the default strategy"
+        )
+
+    # ----- export and teardown ----------------------------------------------------------------------------------
+    def full_model_state_dict(self, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
+        """The trained weights as a full Hugging Face state dict on global rank 0 (CPU; empty elsewhere).
+
+        Collective: call it on every rank. ``module`` is accepted for the native strategies' signature.
+        """
+        from forge_lightning.strategies.megatron.bridge import export_hf_state
+
+        return export_hf_state(self._chunks, self.lightning_module.config)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        raise NotImplementedError(
+            "checkpoints are not yet supported by MegatronStrategy: set trainer.enable_checkpointing: false and "
+            "export with full_model_state_dict / forge-convert"
+        )
+
+    @override
+    def teardown(self) -> None:
+        super().teardown()
+        if self._parallel_ready:
+            from megatron.core import parallel_state
+
+            parallel_state.destroy_model_parallel()
+            self._parallel_ready = False
+        self._chunks = []
+
+
+def _bf16(precision: str | None) -> bool:
+    if str(precision) not in _PRECISIONS:
+        raise NotImplementedError(
+            f"trainer.precision={precision!r} is not supported by MegatronStrategy; use one of "
+            f"{sorted(_PRECISIONS)} (bf16 keeps fp32 main weights in megatron's optimizer)"
+        )
+    return _PRECISIONS[str(precision)]

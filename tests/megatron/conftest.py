@@ -1,0 +1,105 @@
+"""megatron-core tests: the CPU shim, a one-process gloo world and tiny random Hugging Face models."""
+
+import socket
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("megatron.core")
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import cuda_shim
+
+cuda_shim.install()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def megatron_world():
+    """A one-process gloo world with megatron's parallel state at TP = PP = 1."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    if not dist.is_initialized():
+        # No MASTER_PORT in os.environ: the subprocess runs of other tests would inherit it and meet this store.
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1)
+    parallel_state.initialize_model_parallel(1, 1)
+    yield
+    parallel_state.destroy_model_parallel()
+
+
+HF_TINY = {
+    "llama": dict(
+        model_type="llama",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+    ),
+    "qwen3": dict(
+        model_type="qwen3",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=64,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=True,
+    ),
+    "qwen2": dict(
+        model_type="qwen2",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    ),
+}
+
+
+def make_hf_model(arch: str, out: Path):
+    """A tiny random transformers model of ``arch`` saved (fp32 safetensors) to ``out``; returns the model."""
+    import transformers
+
+    kwargs = dict(HF_TINY[arch])
+    config = transformers.AutoConfig.for_model(kwargs.pop("model_type"), **kwargs)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # make norms and biases non-trivial so their mapping is tested
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(out)
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf")
+    return {arch: (root / arch, make_hf_model(arch, root / arch)) for arch in HF_TINY}

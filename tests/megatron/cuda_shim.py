@@ -1,0 +1,130 @@
+"""Test-only shim: maps megatron-core's hard-coded CUDA calls to the CPU so its real code runs on gloo.
+
+megatron-core 0.16 calls ``torch.cuda.current_device()`` for buffers, keeps its RNG tracker in CUDA generators,
+times and synchronises with CUDA streams / events and checks ``param.type() == "torch.cuda.FloatTensor"``. None
+of that changes the arithmetic, so for CPU tests it is redirected:
+
+* the current CUDA device is the CPU; ``Tensor.cuda()`` is the identity;
+* the CUDA RNG state is the CPU generator's;
+* streams, events and synchronisation are no-ops;
+* ``Tensor.type()`` of a CPU tensor reports the CUDA type name megatron expects;
+* a ``device="cuda"`` argument of any torch function (``torch.tensor(..., device="cuda")``) means the CPU.
+
+Never imported by the package (a test checks it); the test entry point and conftest install it with
+:func:`install`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_CPU = torch.device("cpu")
+_installed = False
+
+
+class _FakeStream:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.device = _CPU
+
+    def wait_stream(self, *args: Any) -> None:
+        pass
+
+    def wait_event(self, *args: Any) -> None:
+        pass
+
+    def record_event(self, *args: Any) -> _FakeEvent:
+        return _FakeEvent()
+
+    def synchronize(self) -> None:
+        pass
+
+    def __enter__(self) -> _FakeStream:
+        return self
+
+    def __exit__(self, *args: Any) -> None:
+        pass
+
+
+class _FakeEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def record(self, *args: Any) -> None:
+        pass
+
+    def wait(self, *args: Any) -> None:
+        pass
+
+    def synchronize(self) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+_ORIGINAL_TYPE = torch.Tensor.type
+
+
+def _is_cuda(value: Any) -> bool:
+    if isinstance(value, str):
+        return value.startswith("cuda")
+    return isinstance(value, torch.device) and value.type == "cuda"
+
+
+class _CudaToCpu(TorchFunctionMode):
+    """Rewrites CUDA device arguments of torch calls to the CPU."""
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if _is_cuda(kwargs.get("device")):
+            kwargs = {**kwargs, "device": _CPU}
+        if any(_is_cuda(a) for a in args):
+            args = tuple(_CPU if _is_cuda(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
+def _tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = False, **kwargs: Any) -> Any:
+    if dtype is None and not kwargs and self.device.type == "cpu":
+        name = _ORIGINAL_TYPE(self)
+        return name if name.startswith("torch.cuda.") else name.replace("torch.", "torch.cuda.", 1)
+    return _ORIGINAL_TYPE(self, dtype, non_blocking, **kwargs)
+
+
+def install() -> None:
+    """Patch ``torch.cuda`` and megatron-core's RNG helpers for CPU runs (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    cuda = torch.cuda
+    cuda.current_device = lambda: _CPU
+    cuda.device_count = lambda: 1
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda: None
+    cuda.Stream = _FakeStream
+    cuda.Event = _FakeEvent
+    cuda.current_stream = lambda *a, **k: _FakeStream()
+    cuda.default_stream = lambda *a, **k: _FakeStream()
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.set_stream = lambda *a, **k: None
+    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by the test
+    cuda.manual_seed_all = lambda seed: None
+    cuda.memory_allocated = lambda *a, **k: 0
+    cuda.max_memory_allocated = lambda *a, **k: 0
+    torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = _tensor_type
+    _CudaToCpu().__enter__()  # stays active for the life of the process
+
+    from megatron.core.tensor_parallel import random as mrandom
+
+    mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)

@@ -1,0 +1,126 @@
+"""MegatronStrategy trains the tiny LLM to the single-process losses of the native path (CPU, gloo, 2 processes).
+
+One reference run of the default strategy (1 process, batch 4), then one ``fit`` per megatron layout at the same
+global batch, through ``forge_entry.py`` (the forge CLI with the test-only CUDA shim). fp32, 3 steps.
+"""
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parents[1]
+TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
+STRATEGY = "forge_lightning.strategies.megatron.MegatronStrategy"
+STEPS = [0, 1, 2]
+
+
+def _metrics(root: Path, name: str) -> list[dict[str, str]]:
+    return list(csv.DictReader((root / "runs" / "tests" / name / "version_0" / "metrics.csv").open()))
+
+
+def _column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
+    return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_corpus, tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron")
+
+    def run(name: str, *args: str, devices: int = 2, batch: int = 2) -> list[dict[str, str]]:
+        cmd = [
+            sys.executable,
+            str(HERE / "forge_entry.py"),
+            "fit",
+            "--config",
+            str(TINY_YAML),
+            "--data.data_prefix",
+            str(tiny_corpus["prefix"]),
+            "--data.tokenizer",
+            str(tiny_corpus["tokenizer"]),
+            "--trainer.max_steps",
+            "3",
+            "--trainer.enable_checkpointing",
+            "false",
+            "--trainer.devices",
+            str(devices),
+            "--data.batch_size",
+            str(batch),
+            "--trainer.logger.init_args.name",
+            name,
+            *args,
+        ]
+        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+        env["OMP_NUM_THREADS"] = "1"
+        proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        return _metrics(root, name)
+
+    run.reference = run("reference", devices=1, batch=4)
+    assert sorted(_column(run.reference, "train/loss")) == STEPS
+    return run
+
+
+def _assert_same_losses(rows, reference, tol=1e-5) -> None:
+    losses, expected = _column(rows, "train/loss"), _column(reference, "train/loss")
+    assert sorted(losses) == STEPS
+    deltas = {s: abs(losses[s] - expected[s]) for s in STEPS}
+    assert max(deltas.values()) <= tol, deltas
+
+
+def test_tensor_parallel_matches_one_process_with_validation(runner):
+    rows = runner(
+        "tp2", "--trainer.strategy", STRATEGY, "--trainer.strategy.tensor_model_parallel_size", "2", batch=4
+    )
+    _assert_same_losses(rows, runner.reference)
+    val, expected = _column(rows, "val/loss"), _column(runner.reference, "val/loss")
+    assert val and sorted(val) == sorted(expected)
+    assert max(abs(val[s] - expected[s]) for s in val) <= 1e-5
+
+
+def test_sequence_parallel_matches_one_process(runner):
+    rows = runner(
+        "tp2_sp",
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.tensor_model_parallel_size",
+        "2",
+        "--trainer.strategy.sequence_parallel",
+        "true",
+        "--trainer.limit_val_batches",
+        "0",
+        batch=4,
+    )
+    _assert_same_losses(rows, runner.reference)
+
+
+def test_pipeline_1f1b_matches_one_process(runner):
+    rows = runner(
+        "pp2",
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.pipeline_model_parallel_size",
+        "2",
+        "--trainer.accumulate_grad_batches",
+        "2",
+        "--trainer.limit_val_batches",
+        "0",
+    )
+    _assert_same_losses(rows, runner.reference)
+
+
+def test_distributed_optimizer_matches_one_process(runner):
+    rows = runner(
+        "dp2_distopt",
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.use_distributed_optimizer",
+        "true",
+        "--trainer.limit_val_batches",
+        "0",
+    )
+    _assert_same_losses(rows, runner.reference)
