@@ -5,19 +5,17 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
+from forge_lightning.datamodules.base import TokenDataModule
 from forge_lightning.datamodules.gpt_dataset import BlendedDataset, TokenSequenceDataset, split_documents
 from forge_lightning.datamodules.indexed import IndexedDataset
-from forge_lightning.datamodules.loader import ShardedLoader, StepLoader
-from forge_lightning.datamodules.tokenizer import load_tokenizer
 
 
-class PretrainDataModule(pl.LightningDataModule):
+class PretrainDataModule(TokenDataModule):
     """Fixed-length language-modelling samples from one or more ``forge-data pretrain`` datasets.
 
     Each dataset's documents are split into train / validation by document ranges (``split``), concatenated with
@@ -58,43 +56,23 @@ class PretrainDataModule(pl.LightningDataModule):
         reset_position_ids: bool = False,
         predict_prompts: list[str] | None = None,
     ) -> None:
-        super().__init__()
+        super().__init__(
+            tokenizer, batch_size=batch_size, seed=seed, num_workers=num_workers, pin_memory=pin_memory
+        )
         self.prefixes = [data_prefix] if isinstance(data_prefix, str) else list(data_prefix)
         if not self.prefixes:
             raise ValueError("data_prefix is empty: give at least one dataset prefix")
         if weights is not None and len(weights) != len(self.prefixes):
             raise ValueError(f"weights has {len(weights)} entries but data_prefix has {len(self.prefixes)}")
-        if seq_length < 1 or batch_size < 1:
-            raise ValueError(f"seq_length ({seq_length}) and batch_size ({batch_size}) must be positive")
-        self.tokenizer_path = tokenizer
+        if seq_length < 1:
+            raise ValueError(f"seq_length ({seq_length}) must be positive")
         self.weights = weights
         self.seq_length = seq_length
-        self.batch_size = batch_size
         self.split = split
         self.num_train_samples = num_train_samples
         self.num_val_samples = num_val_samples
-        self.seed = seed
-        self.num_workers = num_workers
-        self.pin_memory = pin_memory
         self.reset_position_ids = reset_position_ids
         self.predict_prompts = list(predict_prompts or [])
-        self._tokenizer: Any = None
-        self.train_dataset: Dataset | None = None
-        self.val_dataset: Dataset | None = None
-        self._train_loader: StepLoader | None = None
-        self._train_loader_state: dict[str, int] | None = None
-
-    @property
-    def tokenizer(self) -> Any:
-        """The tokenizer (loaded on first use)."""
-        if self._tokenizer is None:
-            self._tokenizer = load_tokenizer(self.tokenizer_path)
-        return self._tokenizer
-
-    @property
-    def vocab_size(self) -> int:
-        """Number of token ids the tokenizer can produce."""
-        return self.tokenizer.vocab_size
 
     @override
     def setup(self, stage: str) -> None:
@@ -141,58 +119,9 @@ class PretrainDataModule(pl.LightningDataModule):
         total = num_samples if num_samples is not None else sum(len(p) for p in parts)  # type: ignore[arg-type]
         return BlendedDataset(parts, weights, total, seed=self.seed)
 
-    def _dp(self) -> tuple[int, int]:
-        """(data-parallel size, data-parallel rank) from the trainer's strategy."""
-        if self.trainer is None:
-            return 1, 0
-        strategy = self.trainer.strategy
-        size = getattr(strategy, "data_parallel_size", None) or self.trainer.world_size
-        rank = getattr(strategy, "data_parallel_rank", None)
-        return size, self.trainer.global_rank if rank is None else rank
-
-    @override
-    def train_dataloader(self) -> StepLoader:
-        size, rank = self._dp()
-        accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        self._train_loader = StepLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            num_replicas=size,
-            rank=rank,
-            accumulate=accumulate,
-            seed=self.seed,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-        )
-        return self._train_loader
-
-    @override
-    def val_dataloader(self) -> ShardedLoader | list:
-        if self.val_dataset is None:
-            return []
-        size, rank = self._dp()
-        return ShardedLoader(
-            self.val_dataset,
-            batch_size=self.batch_size,
-            num_replicas=size,
-            rank=rank,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-        )
-
-    @override
-    def test_dataloader(self) -> ShardedLoader | list:
-        return self.val_dataloader()
-
     @override
     def predict_dataloader(self) -> DataLoader:
         if not self.predict_prompts:
             raise ValueError("forge predict needs prompts: set data.predict_prompts (a list of strings)")
         prompts = [{"input_ids": torch.tensor([self.tokenizer.encode(p)])} for p in self.predict_prompts]
         return DataLoader(prompts, batch_size=None)  # one prompt per batch: prompts differ in length
-
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if self.trainer is not None and self.trainer.training and self._train_loader is not None:
-            self._train_loader.mark_consumed()
-        return batch

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import lightning.pytorch as pl
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import ConcatDataset, Dataset
 from typing_extensions import override
 
+from forge_lightning.datamodules.base import StepDataModule
 from forge_lightning.datamodules.gpt_dataset import BlendedDataset
 from forge_lightning.datamodules.lerobot.dataset import LeRobotDataset
 from forge_lightning.datamodules.lerobot.meta import LeRobotMeta
 from forge_lightning.datamodules.lerobot.video import VIDEO_BACKENDS
-from forge_lightning.datamodules.loader import ShardedLoader, StepLoader
 
 
 def split_episodes(episodes: Sequence[int], val_fraction: float, *, seed: int) -> tuple[list[int], list[int]]:
@@ -80,7 +78,7 @@ class LeRobotDataConfig:
             raise ValueError(f"video_backend ({self.video_backend!r}) must be one of {VIDEO_BACKENDS}")
 
 
-class LeRobotDataModule(pl.LightningDataModule):
+class LeRobotDataModule(StepDataModule):
     """Training / validation frames from LeRobot datasets, resumable mid-epoch.
 
     The training loader is a :class:`StepLoader`, whose ``state_dict`` Lightning saves in checkpoints, so a
@@ -100,6 +98,8 @@ class LeRobotDataModule(pl.LightningDataModule):
         video_backend: ``pyav`` or ``torchcodec``.
     """
 
+    label_key = None  # samples are frames and actions: no token labels to count
+
     def __init__(
         self,
         roots: str | list[str],
@@ -115,7 +115,7 @@ class LeRobotDataModule(pl.LightningDataModule):
         pin_memory: bool = True,
         video_backend: str = "pyav",
     ) -> None:
-        super().__init__()
+        super().__init__(batch_size=batch_size, seed=seed, num_workers=num_workers, pin_memory=pin_memory)
         self.config = LeRobotDataConfig(
             roots=[roots] if isinstance(roots, str) else list(roots),
             weights=weights,
@@ -125,13 +125,6 @@ class LeRobotDataModule(pl.LightningDataModule):
             num_train_samples=num_train_samples,
             video_backend=video_backend,
         )
-        if batch_size < 1:
-            raise ValueError(f"batch_size ({batch_size}) must be positive")
-        self.batch_size, self.seed = batch_size, seed
-        self.num_workers, self.pin_memory = num_workers, pin_memory
-        self.train_dataset: Dataset | None = None
-        self.val_dataset: Dataset | None = None
-        self._train_loader: StepLoader | None = None
 
     def _open(self, root: str, episodes: list[int]) -> LeRobotDataset:
         return LeRobotDataset(
@@ -167,47 +160,3 @@ class LeRobotDataModule(pl.LightningDataModule):
         weights = self.config.weights or [float(len(p)) for p in parts]
         total = self.config.num_train_samples or sum(len(p) for p in parts)
         return BlendedDataset(parts, weights, total, seed=self.seed)
-
-    def _dp(self) -> tuple[int, int]:
-        if self.trainer is None:
-            return 1, 0
-        strategy = self.trainer.strategy
-        size = getattr(strategy, "data_parallel_size", None) or self.trainer.world_size
-        rank = getattr(strategy, "data_parallel_rank", None)
-        return size, self.trainer.global_rank if rank is None else rank
-
-    @override
-    def train_dataloader(self) -> StepLoader:
-        size, rank = self._dp()
-        self._train_loader = StepLoader(
-            self.train_dataset,
-            batch_size=self.batch_size,
-            num_replicas=size,
-            rank=rank,
-            accumulate=self.trainer.accumulate_grad_batches if self.trainer is not None else 1,
-            seed=self.seed,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-            label_key=None,
-        )
-        return self._train_loader
-
-    @override
-    def val_dataloader(self) -> ShardedLoader | list:
-        if self.val_dataset is None:
-            return []
-        size, rank = self._dp()
-        return ShardedLoader(
-            self.val_dataset,
-            batch_size=self.batch_size,
-            num_replicas=size,
-            rank=rank,
-            num_workers=self.num_workers,
-            pin_memory=self.pin_memory,
-        )
-
-    @override
-    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
-        if self.trainer is not None and self.trainer.training and self._train_loader is not None:
-            self._train_loader.mark_consumed()
-        return batch
