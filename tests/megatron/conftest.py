@@ -12,7 +12,10 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import cuda_shim
 
-cuda_shim.install()
+# The shim maps megatron-core's hard-coded CUDA calls to the CPU for these gloo tests. On a CUDA machine it would
+# also move every other test of the session to the CPU, so it is installed only where there is no GPU.
+if not torch.cuda.is_available():
+    cuda_shim.install()
 
 
 def free_port() -> int:

@@ -28,6 +28,7 @@ and tests, a kernel backend for long sequences on GPU.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +42,13 @@ from forge_lightning.modules.layers.rope import apply_rotary
 
 ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
 """Attention backends for packed sequences (see the module docstring)."""
+
+try:  # torch >= 2.10
+    from torch.nn.attention.varlen import varlen_attn as _varlen_attn
+
+    _VARLEN_PARAMS = frozenset(inspect.signature(_varlen_attn).parameters)
+except ImportError:
+    _varlen_attn, _VARLEN_PARAMS = None, frozenset()
 
 
 def resolve_attention_backend(backend: str, device: torch.device) -> str:
@@ -124,15 +132,19 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
     if documents.backend == "flex":
         return _flex_kernel(q.device.type == "cuda")(q, k, v, block_mask=documents.block_mask, enable_gqa=gqa)
     if documents.backend == "varlen":
-        from torch.nn.attention.varlen import varlen_attn
+        if _varlen_attn is None:
+            raise RuntimeError(f"attention_backend 'varlen' needs torch >= 2.10, got {torch.__version__}")
 
         def flat(x: Tensor) -> Tensor:  # [B, heads, S, D] -> [B*S, heads, D]
             return x.transpose(1, 2).reshape(B * S, x.shape[1], D)
 
+        # The keywords changed across torch releases: causality is `is_causal` in 2.10 and `window_size` from
+        # 2.11; `enable_gqa` exists from 2.12 (FlashAttention takes fewer key/value heads natively before).
+        causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+        if gqa and "enable_gqa" in _VARLEN_PARAMS:
+            causal["enable_gqa"] = True
         cu, longest = documents.cu_seqlens, documents.max_seqlen
-        out_NHD = varlen_attn(
-            flat(q), flat(k), flat(v), cu, cu, longest, longest, window_size=(-1, 0), enable_gqa=gqa
-        )
+        out_NHD = _varlen_attn(flat(q), flat(k), flat(v), cu, cu, longest, longest, **causal)
         return out_NHD.view(B, S, H, D).transpose(1, 2)
     if gqa:
         num_rep = q.shape[1] // k.shape[1]

@@ -23,7 +23,7 @@ from forge_lightning.modules.layers import (
     RMSNorm,
     RotaryEmbedding,
 )
-from forge_lightning.modules.layers.attention import document_positions, resolve_attention_backend
+from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS, document_positions
 from forge_lightning.modules.llm.config import LLMConfig
 
 
@@ -81,7 +81,10 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: LLMConfig, *, attention_backend: str = "auto") -> None:
         super().__init__()
-        resolve_attention_backend(attention_backend, torch.device("cpu"))  # validates the name early
+        if attention_backend not in ATTENTION_BACKENDS:  # the name early; the device is checked at forward
+            raise ValueError(
+                f"attention_backend ({attention_backend!r}) must be one of {', '.join(ATTENTION_BACKENDS)}"
+            )
         self.attention_backend = attention_backend
         self.init_std = config.initializer_range
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
