@@ -10,6 +10,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
@@ -79,7 +80,13 @@ def _accepts_checkpoint_io(strategy: Any) -> bool:
 
 def main(args: list[str] | None = None) -> None:
     """Entry point of ``forge`` and ``python -m forge_lightning``."""
-    ForgeCLI(args=sys.argv[1:] if args is None else args)
+    try:
+        ForgeCLI(args=sys.argv[1:] if args is None else args)
+    finally:
+        # Tear the process group down before the interpreter exits: a group left to process exit can abort
+        # in its communication threads' destructors ("terminate called without an active exception").
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
