@@ -14,8 +14,19 @@ import cuda_shim
 
 # The shim maps megatron-core's hard-coded CUDA calls to the CPU for these gloo tests. On a CUDA machine it would
 # also move every other test of the session to the CPU, so it is installed only where there is no GPU.
-if not torch.cuda.is_available():
-    cuda_shim.install()
+_NEEDS_SHIM = not torch.cuda.is_available()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """The shim is active while this folder's tests run (these hooks apply to its tests only)."""
+    if _NEEDS_SHIM:
+        cuda_shim.install()
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """Tests outside this folder see the real torch.cuda again."""
+    if nextitem is None or Path(__file__).parent not in Path(nextitem.path).parents:
+        cuda_shim.uninstall()
 
 
 def free_port() -> int:

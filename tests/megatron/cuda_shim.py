@@ -97,32 +97,58 @@ def _tensor_type(self: torch.Tensor, dtype: Any = None, non_blocking: bool = Fal
     return _ORIGINAL_TYPE(self, dtype, non_blocking, **kwargs)
 
 
+_PATCHES = {
+    "current_device": lambda: _CPU,
+    "device_count": lambda: 1,
+    "synchronize": lambda *a, **k: None,
+    "empty_cache": lambda: None,
+    "Stream": _FakeStream,
+    "Event": _FakeEvent,
+    "current_stream": lambda *a, **k: _FakeStream(),
+    "default_stream": lambda *a, **k: _FakeStream(),
+    "stream": lambda *a, **k: contextlib.nullcontext(),
+    "set_stream": lambda *a, **k: None,
+    "get_rng_state": lambda *a, **k: torch.get_rng_state(),
+    "set_rng_state": lambda state, *a, **k: torch.set_rng_state(state),
+    "manual_seed": lambda seed: None,  # the CPU generator is seeded by the test
+    "manual_seed_all": lambda seed: None,
+    "memory_allocated": lambda *a, **k: 0,
+    "max_memory_allocated": lambda *a, **k: 0,
+}
+_saved: dict[str, Any] = {}
+_mode: Any = None
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (megatron's RNG helpers stay patched: only megatron code calls them)."""
+    global _installed, _mode
+    if not _installed:
+        return
+    for name, original in _saved.items():
+        if name.startswith("Tensor."):
+            setattr(torch.Tensor, name.removeprefix("Tensor."), original)
+        else:
+            setattr(torch.cuda, name, original)
+    _saved.clear()
+    _mode.__exit__(None, None, None)
+    _mode = None
+    _installed = False
+
+
 def install() -> None:
-    """Patch ``torch.cuda`` and megatron-core's RNG helpers for CPU runs (idempotent)."""
-    global _installed
+    """Patch ``torch.cuda`` and megatron-core's RNG helpers for CPU runs (idempotent; see :func:`uninstall`)."""
+    global _installed, _mode
     if _installed:
         return
     _installed = True
-    cuda = torch.cuda
-    cuda.current_device = lambda: _CPU
-    cuda.device_count = lambda: 1
-    cuda.synchronize = lambda *a, **k: None
-    cuda.empty_cache = lambda: None
-    cuda.Stream = _FakeStream
-    cuda.Event = _FakeEvent
-    cuda.current_stream = lambda *a, **k: _FakeStream()
-    cuda.default_stream = lambda *a, **k: _FakeStream()
-    cuda.stream = lambda *a, **k: contextlib.nullcontext()
-    cuda.set_stream = lambda *a, **k: None
-    cuda.get_rng_state = lambda *a, **k: torch.get_rng_state()
-    cuda.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
-    cuda.manual_seed = lambda seed: None  # the CPU generator is seeded by the test
-    cuda.manual_seed_all = lambda seed: None
-    cuda.memory_allocated = lambda *a, **k: 0
-    cuda.max_memory_allocated = lambda *a, **k: 0
+    for name, patch in _PATCHES.items():
+        _saved[name] = getattr(torch.cuda, name)
+        setattr(torch.cuda, name, patch)
+    _saved["Tensor.cuda"], _saved["Tensor.type"] = torch.Tensor.cuda, torch.Tensor.type
     torch.Tensor.cuda = lambda self, *a, **k: self
     torch.Tensor.type = _tensor_type
-    _CudaToCpu().__enter__()  # stays active for the life of the process
+    _mode = _CudaToCpu()
+    _mode.__enter__()
 
     from megatron.core.tensor_parallel import random as mrandom
 
