@@ -1,5 +1,6 @@
 import json
 import os
+import sys
 import sysconfig
 from pathlib import Path
 
@@ -12,6 +13,8 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parent.parent
+# Test helper modules (procs.py) import as top-level modules.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 @pytest.fixture(scope="session")

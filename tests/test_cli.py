@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from procs import assert_clean_exit
 
 from forge_lightning.cli import ForgeCLI
 
@@ -81,7 +82,7 @@ def _forge(args, cwd, env_extra=None):
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert_clean_exit(proc)
     return proc
 
 

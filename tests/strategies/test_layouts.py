@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from procs import assert_clean_exit
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
@@ -28,7 +29,7 @@ def _forge(args: list[str], cwd: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert_clean_exit(proc)
 
 
 def _losses(root: Path, name: str) -> dict[int, float]:
