@@ -6,22 +6,13 @@ from pathlib import Path
 import pytest
 from lightning.pytorch import Trainer
 from lightning.pytorch.loggers import CSVLogger
+from tiny import TINY_LLM
 
 from forge_lightning.callbacks import HFExport, TextSample, ThroughputMonitor, ValidationSummary
 from forge_lightning.datamodules import PretrainDataModule
 from forge_lightning.modules.llm import CausalLM, llm_flops_per_token
 
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "tie_word_embeddings": True,
-}
+TINY = TINY_LLM
 
 
 def test_callbacks_on_a_tiny_run(tiny_corpus, tmp_path):

@@ -8,24 +8,14 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
+from tiny import TINY_LLM
 
 from forge_lightning.datamodules import PretrainDataModule
 from forge_lightning.modules.llm import CausalLM
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
 
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True,
-}
+TINY = TINY_LLM
 
 
 class _Losses(Callback):
