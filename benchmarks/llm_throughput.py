@@ -1,14 +1,24 @@
-"""LLM training throughput on one GPU: our CausalLM model vs transformers, side by side in one run.
+"""LLM training throughput on one GPU: our CausalLM vs transformers, side by side in one run.
 
-Each path runs in its own child process (clean peak-memory and compile caches) on the same GPU, on the same
-random token data, after warm-up. Pure bf16 weights and optimizer state (the model cast to bf16, AdamW on it)
-unless ``--precision autocast`` (bf16 autocast over fp32 master weights). FLOPs per token =
-6·N(non-embedding, incl. the lm_head matmul) + 12·layers·(heads·head_dim)·seq; MFU against 989 TFLOP/s.
+Each path runs in its own child process (clean peak memory and compile caches) on the same GPU, on the same
+random token data, after warm-up. Our paths build ``CausalLM`` and apply its ``performance`` settings with
+``forge_lightning.performance.apply_performance`` (what every strategy does), then train with the module's own
+loss. Pure bf16 weights and optimizer state (the model cast to bf16, AdamW on it) unless ``--precision autocast``
+(bf16 autocast over fp32 master weights). FLOPs per token = 6·N(non-embedding, incl. the lm_head matmul) +
+12·layers·(heads·head_dim)·seq; MFU against 989 TFLOP/s.
 
     python benchmarks/llm_throughput.py --shape llama3.2-1b --seq 4096 --batch 8 \
-        --paths forge forge-compile hf-eager hf-compile hf-liger
+        --paths forge forge-eager forge-fp8 hf-eager hf-compile hf-liger
 
-Prints one table last and writes benchmarks/results/llm_throughput_<shape>_<seq>.json.
+``--loss-steps N`` instead trains the chosen paths for N steps on real text (the quick-start corpus and its BPE
+tokenizer, built on the machine; same seed and data order for every path) and compares the mean loss of the last
+20 steps, e.g. FP8 against bf16:
+
+    python benchmarks/llm_throughput.py --shape qwen3-4b --seq 4096 --batch 4 --paths forge forge-fp8 \
+        --loss-steps 200
+
+Prints one table last and writes benchmarks/results/llm_throughput_<shape>_<seq>[_<precision>|_loss].json.
+``--device cpu --shape debug`` checks the script on a CPU (no compile, torch kernels).
 """
 
 from __future__ import annotations
@@ -22,48 +32,57 @@ import time
 from pathlib import Path
 
 PEAK_TFLOPS = 989.0
-PATHS = ("forge", "forge-compile", "hf-eager", "hf-compile", "hf-liger")
+FORGE_PATHS = {
+    # name: PerformanceConfig overrides (everything else "auto": compile, cuDNN attention, Triton loss)
+    "forge": {},
+    "forge-eager": {"compile": False},  # Triton RMSNorm / RoPE / SwiGLU kernels instead of compiled blocks
+    "forge-fp8": {"fp8": {"recipe": "tensorwise"}},
+    "forge-fp8-rowwise": {"fp8": {"recipe": "rowwise"}},
+    "forge-flash": {"attention": {"sdpa": ["flash", "efficient", "math"]}},
+}
+HF_PATHS = ("hf-eager", "hf-compile", "hf-liger")
+PATHS = (*FORGE_PATHS, *HF_PATHS)
 
 
-def _build_forge(shape: str, compile_blocks: bool):
+def _build_forge(path: str, shape: str, device: str, dtype):
     import torch
 
-    from forge_lightning.kernels import fused_linear_cross_entropy
-    from forge_lightning.modules.llm import DecoderLM, LLMConfig
+    from forge_lightning.modules.llm import CausalLM
+    from forge_lightning.performance import apply_performance
 
-    config = LLMConfig.from_preset(shape)
+    overrides = dict(FORGE_PATHS[path])
+    if device == "cpu":
+        overrides["compile"] = False
     with torch.device("meta"):
-        model = DecoderLM(config)
-    model.to_empty(device="cuda")
-    model.init_weights()
-    model.to(torch.bfloat16)
-    if compile_blocks:
-        for layer in model.model.layers:
-            layer.compile()
+        module = CausalLM(config=shape, performance=overrides)
+    module.to_empty(device=device)
+    module.model.init_weights()
+    module.to(dtype)  # RoPE frequencies stay fp32 (the rotary module rebuilds them)
+    apply_performance(module.parallel_plan(), module.performance, device)
 
     def loss_fn(input_ids, labels):
-        hidden = model.hidden_states(input_ids)
-        flat = hidden.reshape(-1, hidden.shape[-1])
-        return fused_linear_cross_entropy(flat, model.lm_head.weight, labels.reshape(-1))
+        loss_sum, tokens = module.loss_sum({"input_ids": input_ids, "labels": labels})
+        return loss_sum / tokens
 
-    return config, model, loss_fn
+    return module.config, module, loss_fn
 
 
-def _build_hf(shape: str, variant: str):
+def _build_hf(path: str, shape: str, device: str, dtype):
     import torch
     import transformers
 
     from forge_lightning.modules.llm import LLMConfig
 
     config = LLMConfig.from_preset(shape)
+    variant = path.removeprefix("hf-")
     if variant == "liger":
         import liger_kernel.transformers as liger
 
         getattr(liger, f"apply_liger_kernel_to_{config.architecture}")()  # patches the HF classes
     hf_config = transformers.AutoConfig.for_model(**config.to_hf())
     hf_config._attn_implementation = "sdpa"
-    with torch.device("cuda"):
-        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.bfloat16)
+    with torch.device(device):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
     if variant == "compile":
         model = torch.compile(model)
 
@@ -73,124 +92,182 @@ def _build_hf(shape: str, variant: str):
     return config, model, loss_fn
 
 
-def run_path(path: str, shape: str, seq: int, batch: int, steps: int, warmup: int, precision: str) -> dict:
-    """Train ``steps`` timed steps of one path and return its measurements."""
+def _random_batches(vocab: int, count: int, batch: int, seq: int, device: str):
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    data = torch.randint(0, vocab, (count, batch, seq + 1), generator=generator)
+    return [data[i].to(device) for i in range(count)]
+
+
+def _text_batches(data_dir: str, count: int, batch: int, seq: int, device: str):
+    """``count`` batches of ``seq + 1``-token windows of the quick-start corpus, in one seeded order."""
+    import numpy as np
+    import torch
+
+    from forge_lightning.datamodules.indexed import IndexedDataset
+    from forge_lightning.tools.data import build_quickstart
+
+    record = build_quickstart(data_dir)
+    dataset = IndexedDataset(Path(data_dir) / record["data_prefix"])
+    stream = np.concatenate([dataset[i] for i in range(len(dataset))]).astype(np.int64)
+    windows = len(stream) // (seq + 1)
+    order = np.random.default_rng(0).permutation(windows)
+    picks = [order[(i * batch + j) % windows] for i in range(count) for j in range(batch)]
+    rows = np.stack([stream[w * (seq + 1) : (w + 1) * (seq + 1)] for w in picks])
+    data = torch.from_numpy(rows).view(count, batch, seq + 1)
+    return [data[i].to(device) for i in range(count)]
+
+
+def run_path(args: argparse.Namespace, path: str) -> dict:
+    """Train one path (``args.warmup`` + ``args.steps`` steps, or ``args.loss_steps``) and measure it."""
     import torch
 
     from forge_lightning.modules.llm import llm_flops_per_token
 
     torch.manual_seed(0)
-    if path.startswith("forge"):
-        config, model, loss_fn = _build_forge(shape, compile_blocks=path == "forge-compile")
+    device, cuda = args.device, args.device == "cuda"
+    build = _build_forge if path in FORGE_PATHS else _build_hf
+    dtype = torch.float32 if args.precision == "autocast" else torch.bfloat16
+    config, model, loss_fn = build(path, args.shape, device, dtype)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda, foreach=not cuda or None)
+    count = args.loss_steps or args.warmup + args.steps
+    if args.loss_steps:
+        batches = _text_batches(args.data_dir, count, args.batch, args.seq, device)
+        if max(int(b.max()) for b in batches) >= config.vocab_size:
+            raise ValueError(
+                f"the corpus tokenizer's ids exceed {args.shape}'s vocab_size ({config.vocab_size})"
+            )
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     else:
-        config, model, loss_fn = _build_hf(shape, path.removeprefix("hf-"))
-    if precision == "autocast":
-        model.float()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    data = torch.randint(0, config.vocab_size, (warmup + steps, batch, seq + 1), device="cuda")
+        batches = _random_batches(config.vocab_size, count, args.batch, args.seq, device)
+        scheduler = None
     losses = []
 
-    def step(i: int) -> None:
-        tokens = data[i]
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "autocast"):
+    def step(tokens) -> None:
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=args.precision == "autocast"):
             loss = loss_fn(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
+        if args.loss_steps:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
         losses.append(loss.detach())
 
-    for i in range(warmup):
-        step(i)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
+    warmup = min(args.warmup, count - 1)
+    for tokens in batches[:warmup]:
+        step(tokens)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     start = time.perf_counter()
-    for i in range(warmup, warmup + steps):
-        step(i)
-    torch.cuda.synchronize()
+    for tokens in batches[warmup:]:
+        step(tokens)
+    sync()
     elapsed = time.perf_counter() - start
-    tokens_per_s = batch * seq * steps / elapsed
-    tflops = tokens_per_s * llm_flops_per_token(config, seq) / 1e12
+    timed = count - warmup
+    tokens_per_s = args.batch * args.seq * timed / elapsed
+    tflops = tokens_per_s * llm_flops_per_token(config, args.seq) / 1e12
+    loss_values = [float(x) for x in losses]
     return {
         "path": path,
-        "shape": shape,
-        "seq": seq,
-        "batch": batch,
-        "precision": precision,
+        "shape": args.shape,
+        "seq": args.seq,
+        "batch": args.batch,
+        "precision": args.precision,
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
         "mfu": tflops / PEAK_TFLOPS,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
-        "step_s": elapsed / steps,
-        "final_loss": float(losses[-1]),
+        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
+        "step_s": elapsed / timed,
+        "final_loss": loss_values[-1],
+        "last20_mean_loss": sum(loss_values[-20:]) / len(loss_values[-20:]),
+        "losses": loss_values if args.loss_steps else None,
     }
 
 
 def _child(args: argparse.Namespace, path: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", path, "--shape", args.shape, "--seq", str(args.seq)]
-    cmd += ["--batch", str(args.batch), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    cmd += ["--precision", args.precision]
+    cmd = [sys.executable, __file__, "--child", path, *sys.argv[1:]]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line.removeprefix("RESULT "))
-    tail = (proc.stdout + proc.stderr)[-1500:]
-    return {
-        "path": path,
-        "error": tail.strip().splitlines()[-1] if tail.strip() else f"exit {proc.returncode}",
-    }
+    tail = (proc.stdout + proc.stderr).strip()
+    print(tail[-3000:], file=sys.stderr)
+    last = tail.splitlines()[-1] if tail else f"exit {proc.returncode}"
+    return {"path": path, "error": last}
 
 
-def _table(results: list[dict], reference: str) -> str:
+def _table(results: list[dict], reference: str, loss: bool) -> str:
     ref = next((r for r in results if r["path"] == reference and "error" not in r), None)
-    lines = [
-        "| path | tokens/s | TFLOP/s | MFU | peak mem | step | vs " + reference + " |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    head = "| path | batch | tokens/s | TFLOP/s | MFU | peak mem | step | vs " + reference + " |"
+    head += " last-20 loss | vs ref loss |" if loss else ""
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['path']} | failed: {r['error'][:80]} | | | | | |")
+            lines.append(f"| {r['path']} | failed: {r['error'][:100]} |")
             continue
         ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
-        lines.append(
-            f"| {r['path']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% "
-            f"| {r['peak_mem_gb']:.1f} GB | {r['step_s'] * 1e3:.0f} ms | {ratio} |"
+        line = (
+            f"| {r['path']} | {r['batch']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['tflops']:.0f} | "
+            f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} GB | {r['step_s'] * 1e3:.0f} ms | {ratio} |"
         )
+        if loss:
+            delta = f"{100 * (r['last20_mean_loss'] / ref['last20_mean_loss'] - 1):+.2f}%" if ref else "-"
+            line += f" {r['last20_mean_loss']:.4f} | {delta} |"
+        lines.append(line)
     return "\n".join(lines)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3.2-1b")
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument(
+        "--batches", default=None, help="per-path batch overrides, e.g. hf-eager=4,hf-compile=4"
+    )
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precision", choices=("bf16", "autocast"), default="bf16")
-    parser.add_argument("--paths", nargs="+", default=list(PATHS), choices=PATHS)
-    parser.add_argument("--reference", default="hf-liger", help="path the ratio column divides by")
+    parser.add_argument("--paths", nargs="+", default=["forge", "forge-eager", *HF_PATHS], choices=PATHS)
+    parser.add_argument("--reference", default=None, help="path the ratio columns divide by (default: first)")
+    parser.add_argument("--loss-steps", type=int, default=0, help="train on real text for this many steps")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--data-dir", default="data/quickstart", help="quick-start data (built if missing)")
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/...)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
+    overrides = dict(item.split("=") for item in args.batches.split(",")) if args.batches else {}
     if args.child:
-        result = run_path(
-            args.child, args.shape, args.seq, args.batch, args.steps, args.warmup, args.precision
-        )
-        print("RESULT " + json.dumps(result), flush=True)
+        args.batch = int(overrides.get(args.child, args.batch))
+        print("RESULT " + json.dumps(run_path(args, args.child)), flush=True)
         return
     results = []
     for path in args.paths:
         results.append(_child(args, path))
-        print(json.dumps(results[-1]), flush=True)
-    out = Path(args.out or Path(__file__).parent / "results" / f"llm_throughput_{args.shape}_{args.seq}.json")
+        shown = {k: v for k, v in results[-1].items() if k != "losses"}
+        print(json.dumps(shown), flush=True)
+    suffix = "_loss" if args.loss_steps else ("" if args.precision == "bf16" else f"_{args.precision}")
+    name = f"llm_throughput_{args.shape}_{args.seq}{suffix}.json"
+    out = Path(args.out or Path(__file__).parent / "results" / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     import torch
 
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "argv": sys.argv[1:]}
+    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    meta = {"gpu": gpu, "torch": torch.__version__, "argv": sys.argv[1:]}
     out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(
-        f"\n{args.shape}, seq {args.seq}, batch {args.batch}, {args.precision}, {meta['gpu']}, torch {meta['torch']}"
-    )
-    print(_table(results, args.reference))
+    what = f"{args.loss_steps} steps on real text" if args.loss_steps else f"{args.steps} timed steps"
+    print(f"\n{args.shape}, seq {args.seq}, {args.precision}, {what}, {gpu}, torch {meta['torch']}")
+    print(_table(results, args.reference or args.paths[0], loss=bool(args.loss_steps)))
 
 
 if __name__ == "__main__":

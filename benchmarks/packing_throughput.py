@@ -127,7 +127,7 @@ def run_path(path: str, args: argparse.Namespace) -> dict:
     backend = path.removesuffix("-compile").split("-")[1] if packed else "auto"
     torch.manual_seed(0)
     with torch.device("meta"):
-        module = CausalLM(config=args.shape, attention_backend=backend)
+        module = CausalLM(config=args.shape, performance={"attention": {"packed": backend}})
     module.model.to_empty(device=device)
     module.model.init_weights()
     module.to(torch.bfloat16)

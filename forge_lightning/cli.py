@@ -1,7 +1,7 @@
 """The ``forge`` command: LightningCLI with forge-lightning's defaults.
 
 ``forge fit|validate|test|predict --config x.yaml [--trainer.max_steps 50] [--optimizer.lr 3e-4]``. The model and
-data are chosen by ``class_path`` in YAML; ``optimizer`` and ``scheduler`` are top-level sections handed to the
+data are chosen by ``class_path`` in YAML; ``optimizer``, ``scheduler`` and ``performance`` are top-level sections handed to the
 model. Every run saves its resolved config next to its logs and checkpoints.
 """
 
@@ -18,13 +18,14 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig
+from forge_lightning.performance import PerformanceConfig
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
 
 
 class ForgeCLI(LightningCLI):
     """LightningCLI whose model and data are any LightningModule / LightningDataModule chosen by class_path.
 
-    Adds top-level ``optimizer`` and ``scheduler`` sections (linked into the model), a rich progress bar and
+    Adds top-level ``optimizer``, ``scheduler`` and ``performance`` sections (linked into the model), a rich progress bar and
     atomic, ``weights_only`` checkpoint I/O by default.
     """
 
@@ -46,6 +47,8 @@ class ForgeCLI(LightningCLI):
         parser.add_class_arguments(SchedulerConfig, "scheduler", fail_untyped=True, sub_configs=True)
         parser.link_arguments("optimizer", "model.init_args.optimizer", apply_on="instantiate")
         parser.link_arguments("scheduler", "model.init_args.scheduler", apply_on="instantiate")
+        parser.add_class_arguments(PerformanceConfig, "performance", fail_untyped=True, sub_configs=True)
+        parser.link_arguments("performance", "model.init_args.performance", apply_on="instantiate")
 
     @override
     def _parse_ckpt_path(self) -> None:

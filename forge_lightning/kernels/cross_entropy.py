@@ -277,6 +277,17 @@ def fused_linear_cross_entropy(
     Returns:
         The fp32 loss (a scalar, or per-token for ``"none"``), differentiable in ``hidden`` and ``weight``.
     """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):
+        # Under autocast the logit GEMMs run in the autocast dtype, as `F.linear` would; the casts sit outside the
+        # kernel, so fp32 master weights and hidden states receive fp32 gradients.
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return fused_linear_cross_entropy(
+                hidden, weight, labels, ignore_index, reduction, z_loss, label_smoothing,
+                chunk_size=chunk_size, backend=backend,
+            )  # fmt: skip
     _check_ce_args(hidden, weight, labels, reduction, label_smoothing)
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     labels1 = labels.reshape(-1).contiguous()

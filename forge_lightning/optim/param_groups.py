@@ -20,8 +20,6 @@ class OptimizerConfig:
         weight_decay: decoupled weight decay for matrices.
         betas: Adam betas.
         eps: Adam epsilon.
-        fused: ``True`` / ``False`` forces the fused (single-kernel) implementation; ``None`` picks fused on
-            CUDA and foreach elsewhere.
         decay_norms_biases_embeddings: apply weight decay to norms, biases and embeddings too (off by default,
             as in GPT-3 / Llama recipes).
         momentum: SGD momentum.
@@ -32,7 +30,6 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
-    fused: bool | None = None
     decay_norms_biases_embeddings: bool = False
     momentum: float = 0.0
 
@@ -65,25 +62,38 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False)
     return [g for g in groups if g["params"]]
 
 
+_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+
+
 def _fused_supported(model: nn.Module) -> bool:
     devices = {p.device.type for p in model.parameters() if p.requires_grad}
     return devices == {"cuda"}
 
 
-def build_optimizer(model: nn.Module, config: OptimizerConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, config: OptimizerConfig, *, implementation: str = "auto"
+) -> torch.optim.Optimizer:
     """Build the optimizer for the trainable parameters of ``model``.
 
     Args:
         model: the module whose trainable parameters are optimised (parameters must already sit on their device).
         config: optimizer settings.
+        implementation: ``fused`` (one kernel per step), ``foreach`` or ``for_loop`` Adam(W); ``auto``: fused
+            when every trainable parameter is on CUDA, foreach otherwise (``performance.optimizer`` in YAML).
     """
     groups = param_groups(model, config.weight_decay, config.decay_norms_biases_embeddings)
     if not groups:
         raise ValueError("the model has no trainable parameters: check which components are frozen")
     if config.name == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
-    fused = _fused_supported(model) if config.fused is None else config.fused
+    if implementation not in _IMPLEMENTATIONS:
+        raise ValueError(f"optimizer implementation ({implementation!r}) must be one of {_IMPLEMENTATIONS}")
+    if implementation == "auto":
+        implementation = "fused" if _fused_supported(model) else "foreach"
     kwargs = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps}
-    kwargs["fused" if fused else "foreach"] = True
+    if implementation == "for_loop":
+        kwargs["foreach"] = False
+    else:
+        kwargs[implementation] = True
     cls = torch.optim.AdamW if config.name == "adamw" else torch.optim.Adam
     return cls(groups, **kwargs)

@@ -1,12 +1,11 @@
-"""Shared ``apply_*`` helpers that turn a module's :class:`~forge_lightning.modules.plan.ParallelPlan` into
-parallelism, in the one fixed order every native strategy uses::
+"""Shared helpers that turn a module's :class:`~forge_lightning.modules.plan.ParallelPlan` into parallelism, in
+the one fixed order every native strategy uses::
 
-    tensor parallelism ─ (FP8 conversion) ─ activation checkpointing ─ per-block torch.compile ─ FSDP / DDP
-    apply_tensor_parallel  (later)          apply_activation_checkpointing  apply_compile   apply_fully_shard
+    tensor parallelism ─ FP8 ─ kernels ─ activation checkpointing ─ torch.compile ─ FSDP / DDP
+    apply_tensor_parallel  forge_lightning.performance.apply_performance          (the strategy's wrapping)
 
 Each helper reads only the plan (components, their blocks, the TP styles, the frozen flags), never a model
-family, and logs one line. None of them renames a parameter: activation checkpointing uses the composable
-``checkpoint`` API and compilation ``nn.Module.compile``, so state-dict keys stay those of the plain model.
+family, logs one line and renames no parameter, so state-dict keys stay those of the plain model.
 """
 
 from __future__ import annotations
@@ -121,44 +120,6 @@ def _retie(module: nn.Module, groups: list[list[tuple[str, str]]]) -> None:
                     "parallel placements: give both modules styles that shard the weight the same way"
                 )
             setattr(module.get_submodule(mod_name), attr, first)
-
-
-def apply_activation_checkpointing(plan: ParallelPlan, *, enabled: bool) -> None:
-    """Recompute each block's activations in the backward pass (the composable ``checkpoint`` API).
-
-    Args:
-        plan: the module's parallel plan.
-        enabled: apply it (a no-op when ``False``).
-    """
-    if not enabled:
-        return
-    from torch.distributed._composable import checkpoint
-
-    count = 0
-    for comp in plan:
-        if comp.frozen:
-            continue
-        for block in comp.blocks:
-            checkpoint(block)
-            count += 1
-    rank_zero_info(f"activation checkpointing: {count} blocks")
-
-
-def apply_compile(plan: ParallelPlan, *, enabled: bool) -> None:
-    """``torch.compile`` each block in place (parameter names unchanged; one graph reused by all blocks).
-
-    Args:
-        plan: the module's parallel plan.
-        enabled: apply it (a no-op when ``False``).
-    """
-    if not enabled:
-        return
-    count = 0
-    for comp in plan:
-        for block in comp.blocks:
-            block.compile()
-            count += 1
-    rank_zero_info(f"torch.compile: {count} blocks")
 
 
 def trainable_components(plan: ParallelPlan) -> list[Component]:

@@ -169,7 +169,9 @@ def test_causal_lm_packed_loss_equals_unpacked(backend, dtype_name):
     dtype = DTYPES[dtype_name]
     skip_unsupported(backend, dtype)
     torch.manual_seed(0)
-    module = CausalLM(config=small_config().to_hf(), attention_backend=backend).to("cuda", dtype)
+    module = CausalLM(config=small_config().to_hf(), performance={"attention": {"packed": backend}}).to(
+        "cuda", dtype
+    )
     # Row 0 is filled to its last token by its final document; row 1 ends with padding.
     lengths = [37, 1, 64, 113, 41, 90, 17, 5, 77, 2]
     samples = _samples(lengths, module.config.vocab_size, seed=2)

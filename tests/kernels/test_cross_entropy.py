@@ -122,6 +122,18 @@ def test_reference_half_precision_on_cpu(assert_close, dtype):
         assert_close(g, w, dtype, factor=2)
 
 
+def test_autocast_runs_the_gemms_in_the_autocast_dtype_and_returns_fp32_gradients(assert_close):
+    h, weight, labels = make_inputs(29, 32, 77, torch.float32, "cpu")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = run(fused_linear_cross_entropy, h, weight, labels, "mean", chunk_size=8, backend="torch")
+    assert got[1].dtype == got[2].dtype == torch.float32  # the fp32 masters' gradients
+    h_bf16, w_bf16 = (h.detach().bfloat16().requires_grad_(), weight.detach().bfloat16().requires_grad_())
+    want = run(fused_linear_cross_entropy, h_bf16, w_bf16, labels, "mean", chunk_size=8, backend="torch")
+    assert_close(got[0], want[0], torch.float32)
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert_close(g, w.float(), torch.bfloat16)
+
+
 def test_chunk_size_rule():
     for n_tokens, vocab in [(32768, 128256), (32768, 32000), (7, 128256), (1, 10), (4096, 1 << 30)]:
         chunk = _chunk_size(n_tokens, vocab)

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 import transformers
+from llm_parity import assert_matches_transformers, load_forge
 from safetensors.torch import load_file, save_file
 
 from forge_lightning.modules.llm import (
@@ -122,36 +122,13 @@ def hf_checkpoint(variant: str, tmp_path: Path) -> tuple[transformers.PreTrained
     return model, tmp_path / "hf"
 
 
-def load_forge(path: Path) -> DecoderLM:
-    return load_pretrained(DecoderLM(LLMConfig.load(path)), path)
-
-
-def shifted_ce(logits: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
-
-
 def test_logits_loss_and_gradients_match_transformers(hf_checkpoint: tuple) -> None:
     hf_model, path = hf_checkpoint
     model = load_forge(path)
     input_ids = torch.randint(0, _BASE["vocab_size"], (2, 24), generator=torch.Generator().manual_seed(1))
 
-    logits = model(input_ids)
-    hf_logits = hf_model(input_ids).logits
-    assert logits.shape == (2, 24, _BASE["vocab_size"])
-    assert (logits - hf_logits).abs().max().item() <= 1e-4
-
-    loss, hf_loss = shifted_ce(logits, input_ids), shifted_ce(hf_logits, input_ids)
-    assert abs(loss.item() - hf_loss.item()) <= 1e-5 * abs(hf_loss.item())
-
-    loss.backward()
-    hf_loss.backward()
-    grads = {name: p.grad for name, p in model.named_parameters()}
-    hf_grads = {name: p.grad for name, p in hf_model.named_parameters()}
-    assert grads.keys() == hf_grads.keys()
-    for name, hf_grad in hf_grads.items():
-        # Measure: ||g - g_hf||_2 / ||g_hf||_2 per parameter tensor.
-        rel = (grads[name] - hf_grad).norm() / hf_grad.norm()
-        assert rel.item() <= 1e-4, f"{name}: relative gradient error {rel.item():.2e}"
+    assert model(input_ids).shape == (2, 24, _BASE["vocab_size"])
+    assert_matches_transformers(model, hf_model, input_ids)
 
 
 def test_round_trip_keeps_every_tensor_and_the_architecture(hf_checkpoint: tuple, tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""Shared building blocks: attention (with its KV cache), rotary embeddings, norms and feed-forward layers."""
+"""Shared building blocks: attention (with its KV cache), multi-head latent attention, rotary embeddings, norms,
+feed-forward layers and mixture-of-experts blocks."""
 
 from forge_lightning.modules.layers.attention import (
     ATTENTION_BACKENDS,
@@ -7,7 +8,19 @@ from forge_lightning.modules.layers.attention import (
     KVCache,
     attention,
 )
+from forge_lightning.modules.layers.mla import LatentKVCache, MultiLatentAttention
 from forge_lightning.modules.layers.mlp import GatedMLP, init_linear
+from forge_lightning.modules.layers.moe import (
+    Experts,
+    GatedSharedExpertMoE,
+    GroupLimitedRouter,
+    MoEBlock,
+    RouterLosses,
+    RouterStats,
+    SharedExpertsMoE,
+    TopKRouter,
+    router_losses,
+)
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import ROPE_TYPES, RotaryEmbedding, apply_rotary, rope_inv_freq
 
@@ -16,12 +29,23 @@ __all__ = [
     "ROPE_TYPES",
     "Attention",
     "DocumentMask",
+    "Experts",
     "GatedMLP",
+    "GatedSharedExpertMoE",
+    "GroupLimitedRouter",
     "KVCache",
+    "LatentKVCache",
+    "MoEBlock",
+    "MultiLatentAttention",
     "RMSNorm",
     "RotaryEmbedding",
+    "RouterLosses",
+    "RouterStats",
+    "SharedExpertsMoE",
+    "TopKRouter",
     "apply_rotary",
     "attention",
     "init_linear",
     "rope_inv_freq",
+    "router_losses",
 ]

@@ -192,12 +192,14 @@ def attention(
             raise ValueError("packed documents need causal self-attention without another mask or a KV cache")
         return _document_attention(q, k, v, documents)
     num_rep = q.shape[1] // k.shape[1]
-    if num_rep > 1:
-        # Expanded explicitly: SDPA's `enable_gqa` is not honoured by every backend (masked inputs fall back).
-        k, v = k.repeat_interleave(num_rep, dim=1), v.repeat_interleave(num_rep, dim=1)
     q_len, kv_len = q.shape[2], k.shape[2]
     if causal and mask is None and q_len == kv_len:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # Grouped heads natively: cuDNN and FlashAttention read each key/value head once (no expanded copies
+        # saved for backward).
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=num_rep > 1)
+    if num_rep > 1:
+        # Expanded explicitly: the kernels that take masks do not all honour `enable_gqa`.
+        k, v = k.repeat_interleave(num_rep, dim=1), v.repeat_interleave(num_rep, dim=1)
     if causal and q_len > 1:
         mask = _with_causal(mask, q_len, kv_len, q.device)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -307,6 +309,10 @@ class Attention(nn.Module):
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.o_proj):
             init_linear(proj, self.init_std)
 
+    def rotate(self, x_BSHD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """Apply the rotary embedding ``(cos, sin)`` ``[B, S, D/2]`` to queries or keys ``[B, S, heads, D]``."""
+        return apply_rotary(x_BSHD, cos, sin)
+
     def forward(
         self,
         x_BSD: Tensor,
@@ -330,7 +336,7 @@ class Attention(nn.Module):
         q_BSHD = self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim))
         k_BSKD = self.k_norm(self.k_proj(x_BSD).view(B, S, -1, self.head_dim))
         v_BSKD = self.v_proj(x_BSD).view(B, S, -1, self.head_dim)
-        q_BSHD, k_BSKD = apply_rotary(q_BSHD, *rope), apply_rotary(k_BSKD, *rope)
+        q_BSHD, k_BSKD = self.rotate(q_BSHD, *rope), self.rotate(k_BSKD, *rope)
         q, k, v = q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)  # [B, heads, S, D]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)

@@ -1,8 +1,22 @@
 """Hugging Face interchange: read and write safetensors checkpoints with their ``config.json``.
 
 Parameter names are identical on both sides (see :mod:`forge_lightning.modules.llm.model`), so the mapping is
-the identity, except that a tied ``lm_head.weight`` is absent from Hugging Face files and rotary ``inv_freq``
-buffers found in old checkpoints are ignored. Pickle-based ``*.bin`` files are never read.
+the identity, except that:
+
+- a tied ``lm_head.weight`` is absent from Hugging Face files, and rotary ``inv_freq`` buffers found in old
+  checkpoints are ignored;
+- MoE experts live in the model as 3-D tensors (transformers 5's in-memory layout) but in Hugging Face files, as
+  published and as transformers writes them, one by one::
+
+      mlp.experts.gate_up_proj [E, 2I, D]  <->  mlp.experts.{e}.gate_proj.weight [I, D]   (rows :I of expert e)
+                                                mlp.experts.{e}.up_proj.weight   [I, D]   (rows I: of expert e)
+      mlp.experts.down_proj    [E, D, I]   <->  mlp.experts.{e}.down_proj.weight [D, I]
+
+  Loading accepts either layout; saving writes the per-expert one;
+- DeepSeek-V3's multi-token-prediction layers (``model.layers.{num_hidden_layers + i}`` for
+  ``i < num_nextn_predict_layers``) are skipped on load.
+
+Pickle-based ``*.bin`` files are never read.
 """
 
 from __future__ import annotations
@@ -20,13 +34,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
-from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.llm.config import LLMConfig, field_value
 from forge_lightning.modules.llm.model import DecoderLM
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _TIED_HEAD = "lm_head.weight"
 _EMBEDDING = "model.embed_tokens.weight"
+_EXPERT_KEY = re.compile(
+    r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
+)
+_LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
 
 # Fields that change the computed function: a checkpoint must agree with the model on all of them. Token ids,
 # dtype, initializer_range and max_position_embeddings may differ (e.g. when extending the context).
@@ -46,6 +64,20 @@ _COMPATIBILITY_FIELDS = (
     "mlp_bias",
     "qk_norm",
     "tie_word_embeddings",
+    "moe.num_experts",
+    "moe.num_experts_per_tok",
+    "moe.intermediate_size",
+    "moe.score_func",
+    "moe.norm_topk_prob",
+    "moe.num_groups",
+    "moe.num_groups_per_tok",
+    "moe.routed_scaling_factor",
+    "moe.shared_intermediate_size",
+    "moe.shared_expert_gate",
+    "moe.first_dense_layers",
+    "moe.layer_step",
+    "moe.dense_layers",
+    "mla",
 )
 
 
@@ -115,9 +147,9 @@ def _read_sharded(path: Path, device: str | torch.device) -> dict[str, Tensor]:
 def check_compatible(model_config: LLMConfig, checkpoint_config: LLMConfig) -> None:
     """Raise ``ValueError`` naming every architecture field on which a checkpoint differs from the model."""
     diffs = [
-        f"{name}: checkpoint {getattr(checkpoint_config, name)!r}, model {getattr(model_config, name)!r}"
+        f"{name}: checkpoint {field_value(checkpoint_config, name)!r}, model {field_value(model_config, name)!r}"
         for name in _COMPATIBILITY_FIELDS
-        if getattr(checkpoint_config, name) != getattr(model_config, name)
+        if field_value(checkpoint_config, name) != field_value(model_config, name)
     ]
     if diffs:
         raise ValueError("checkpoint config does not match the model:\n  " + "\n  ".join(diffs))
@@ -143,8 +175,22 @@ def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM
         raise ValueError("model is on the meta device; materialise it first (model.to_empty(device=...))")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}")
-    check_compatible(model.config, LLMConfig.load(path / "config.json"))
-    state = {k: v for k, v in load_hf_state_dict(path).items() if not k.endswith("rotary_emb.inv_freq")}
+    hf_config = json.loads((path / "config.json").read_text())
+    if hf_config.get("quantization_config"):
+        method = hf_config["quantization_config"].get("quant_method")
+        raise ValueError(
+            f"{path} holds quantized weights (quant_method {method!r}); dequantize them to bf16 first"
+        )
+    check_compatible(model.config, LLMConfig.from_hf(hf_config))
+    mtp_layers = range(
+        model.config.num_layers, model.config.num_layers + hf_config.get("num_nextn_predict_layers", 0)
+    )
+    state = {
+        k: v
+        for k, v in load_hf_state_dict(path).items()
+        if not k.endswith("rotary_emb.inv_freq") and _layer_index(k) not in mtp_layers
+    }
+    state = fuse_experts(state)
     if model.config.tie_word_embeddings and _TIED_HEAD in state:
         head = state.pop(_TIED_HEAD)
         if _EMBEDDING in state and not torch.equal(head, state[_EMBEDDING]):
@@ -226,14 +272,67 @@ def _export_tensors(
     state_dict: Mapping[str, Tensor], config: LLMConfig, dtype: torch.dtype | None
 ) -> dict[str, Tensor]:
     tensors = {}
-    for name, tensor in state_dict.items():
+    for name, tensor in split_experts(state_dict).items():
         if config.tie_word_embeddings and name == _TIED_HEAD:
             continue  # Hugging Face files store the tied matrix once, as the embedding
         tensor = tensor.detach()
-        if dtype is not None and tensor.is_floating_point():
+        # The selection bias stays fp32, as transformers keeps it: in bf16 it would change which experts win.
+        if dtype is not None and tensor.is_floating_point() and not name.endswith("e_score_correction_bias"):
             tensor = tensor.to(dtype)
         tensors[name] = tensor.cpu().contiguous()
     return tensors
+
+
+def _layer_index(key: str) -> int | None:
+    """The decoder layer a checkpoint tensor belongs to (``None`` outside the layers)."""
+    match = _LAYER_KEY.match(key)
+    return None if match is None else int(match.group(1))
+
+
+def fuse_experts(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Per-expert tensors (``mlp.experts.{e}.{gate,up,down}_proj.weight``) as the model's 3-D expert tensors.
+
+    Other tensors pass through unchanged, so a state dict already in the fused layout is returned as is.
+
+    Raises:
+        ValueError: some layer's experts are incomplete (the missing tensors are named).
+    """
+    fused: dict[str, Tensor] = {}
+    experts: dict[str, dict[tuple[int, str], Tensor]] = {}
+    for name, tensor in state.items():
+        match = _EXPERT_KEY.fullmatch(name)
+        if match is None:
+            fused[name] = tensor
+        else:
+            experts.setdefault(match["prefix"], {})[int(match["expert"]), match["proj"]] = tensor
+    for prefix, weights in experts.items():
+        num_experts = 1 + max(e for e, _ in weights)
+        wanted = [(e, proj) for e in range(num_experts) for proj in ("gate_proj", "up_proj", "down_proj")]
+        missing = [f"{prefix}.{e}.{proj}.weight" for e, proj in wanted if (e, proj) not in weights]
+        if missing:
+            raise ValueError("checkpoint lacks expert tensors:\n  " + "\n  ".join(missing))
+        gate_up = [torch.cat((weights[e, "gate_proj"], weights[e, "up_proj"])) for e in range(num_experts)]
+        fused[f"{prefix}.gate_up_proj"] = torch.stack(gate_up)
+        fused[f"{prefix}.down_proj"] = torch.stack([weights[e, "down_proj"] for e in range(num_experts)])
+    return fused
+
+
+def split_experts(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """The model's 3-D expert tensors as Hugging Face's per-expert ``nn.Linear`` weights (inverse of
+    :func:`fuse_experts`); other tensors pass through unchanged (as views, not copies)."""
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        if name.endswith(".mlp.experts.gate_up_proj"):
+            prefix = name.removesuffix(".gate_up_proj")
+            for e, gate_up_2ID in enumerate(tensor):
+                gate_ID, up_ID = gate_up_2ID.chunk(2)
+                out[f"{prefix}.{e}.gate_proj.weight"], out[f"{prefix}.{e}.up_proj.weight"] = gate_ID, up_ID
+        elif name.endswith(".mlp.experts.down_proj"):
+            prefix = name.removesuffix(".down_proj")
+            out.update((f"{prefix}.{e}.down_proj.weight", down_DI) for e, down_DI in enumerate(tensor))
+        else:
+            out[name] = tensor
+    return out
 
 
 def _write_shards(tensors: dict[str, Tensor], out: Path, max_bytes: int) -> None:

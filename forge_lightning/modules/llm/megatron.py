@@ -58,6 +58,11 @@ def check_supported(config: LLMConfig) -> None:
     megatron-core has one switch for the q/k/v bias (``add_qkv_bias``) and one for every linear's bias
     (``add_bias_linear``), so an output-projection bias without MLP biases (or the reverse) has no twin.
     """
+    if config.moe is not None or config.mla is not None:
+        raise NotImplementedError(
+            f"{config.architecture}: mixture-of-experts and multi-latent attention models are not yet built on "
+            "megatron-core by the twin; train them with a native strategy (fsdp2, ddp, zero1)"
+        )
     linear_biases = (config.o_proj_bias, config.mlp_bias)
     if linear_biases not in ((False, False), (True, True)) or (
         config.o_proj_bias and not config.attention_bias

@@ -1,4 +1,4 @@
-"""The dense decoder LM as a plain ``nn.Module``.
+"""The decoder LM (dense or mixture-of-experts) as a plain ``nn.Module``.
 
 Submodule names follow Hugging Face (``model.embed_tokens``, ``model.layers.N.self_attn.q_proj``, ...,
 ``model.norm``, ``lm_head``), so a checkpoint's state dict loads one to one::
@@ -6,11 +6,17 @@ Submodule names follow Hugging Face (``model.embed_tokens``, ``model.layers.N.se
     input_ids ─ embed_tokens ─ [DecoderLayer] x num_layers ─ norm ─ (hidden_states) ─ lm_head ─ logits
                                  x + attn(norm(x)); x + mlp(norm(x))
 
+Each layer's ``self_attn`` is grouped-query :class:`Attention` or :class:`MultiLatentAttention` (``config.mla``) and
+its ``mlp`` a dense :class:`GatedMLP` or a :class:`MoEBlock` (``config.moe``), chosen by :func:`build_attention`
+and :func:`build_mlp`.
+
 Packed rows (several documents per sequence) pass ``document_ids``: attention stays within each document and,
 unless ``position_ids`` are given, positions restart at every document.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor, nn
@@ -19,42 +25,140 @@ from forge_lightning.modules.layers import (
     Attention,
     DocumentMask,
     GatedMLP,
+    GatedSharedExpertMoE,
+    GroupLimitedRouter,
     KVCache,
+    LatentKVCache,
+    MoEBlock,
+    MultiLatentAttention,
     RMSNorm,
     RotaryEmbedding,
+    RouterLosses,
+    SharedExpertsMoE,
+    TopKRouter,
+    router_losses,
 )
 from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS, document_positions
-from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.llm.config import LLMConfig, MoEConfig
+
+# Tensor-parallel styles (names relative to one decoder layer) of the parts every layer kind shares. MoE blocks
+# and MLA declare their own (`tp_plan()`): routed experts, routers and MLA stay replicated; expert parallelism is
+# the Megatron strategy's job.
+_NORMS_TP_PLAN = {"input_layernorm": "sequence", "post_attention_layernorm": "sequence"}
+_GQA_TP_PLAN = {
+    "self_attn.q_proj": "colwise",
+    "self_attn.k_proj": "colwise",
+    "self_attn.v_proj": "colwise",
+    "self_attn.o_proj": "rowwise",
+}
+_DENSE_MLP_TP_PLAN = {"mlp.gate_proj": "colwise", "mlp.up_proj": "colwise", "mlp.down_proj": "rowwise"}
+
+
+def build_attention(config: LLMConfig) -> nn.Module:
+    """The ``self_attn`` of a decoder layer: :class:`MultiLatentAttention` with ``config.mla``, else GQA."""
+    if config.mla is not None:
+        m = config.mla
+        return MultiLatentAttention(
+            config.hidden_size,
+            config.num_heads,
+            kv_lora_rank=m.kv_lora_rank,
+            qk_nope_head_dim=m.qk_nope_head_dim,
+            qk_rope_head_dim=m.qk_rope_head_dim,
+            v_head_dim=m.v_head_dim,
+            q_lora_rank=m.q_lora_rank,
+            rope_interleave=m.rope_interleave,
+            bias=config.attention_bias,
+            init_std=config.initializer_range,
+        )
+    return Attention(
+        config.hidden_size,
+        config.num_heads,
+        config.num_kv_heads,
+        config.head_dim,
+        qkv_bias=config.attention_bias,
+        o_bias=config.o_proj_bias,
+        qk_norm=config.qk_norm,
+        norm_eps=config.rms_norm_eps,
+        init_std=config.initializer_range,
+    )
+
+
+def build_mlp(config: LLMConfig, layer_index: int) -> nn.Module:
+    """The ``mlp`` of decoder layer ``layer_index``: a :class:`MoEBlock` where ``config.moe`` puts experts."""
+    if config.is_moe_layer(layer_index):
+        return build_moe(config.hidden_size, config.moe, init_std=config.initializer_range)
+    return GatedMLP(
+        config.hidden_size, config.intermediate_size, bias=config.mlp_bias, init_std=config.initializer_range
+    )
+
+
+def build_moe(hidden_size: int, moe: MoEConfig, *, init_std: float) -> MoEBlock:
+    """A MoE block with the router and shared-expert layout ``moe`` describes."""
+    if moe.score_func == "sigmoid":
+        router: nn.Module = GroupLimitedRouter(
+            hidden_size,
+            moe.num_experts,
+            moe.num_experts_per_tok,
+            num_groups=moe.num_groups,
+            topk_group=moe.num_groups_per_tok,
+            norm_topk_prob=moe.norm_topk_prob,
+            scaling=moe.routed_scaling_factor,
+            init_std=init_std,
+        )
+    else:
+        router = TopKRouter(
+            hidden_size,
+            moe.num_experts,
+            moe.num_experts_per_tok,
+            norm_topk_prob=moe.norm_topk_prob,
+            scaling=moe.routed_scaling_factor,
+            init_std=init_std,
+        )
+    args = (hidden_size, router, moe.num_experts, moe.intermediate_size)
+    if not moe.shared_intermediate_size:
+        return MoEBlock(*args, init_std=init_std)
+    shared_cls = GatedSharedExpertMoE if moe.shared_expert_gate else SharedExpertsMoE
+    return shared_cls(*args, moe.shared_intermediate_size, init_std=init_std)
+
+
+def block_tp_plan(layers: Sequence[DecoderLayer]) -> dict[str, str]:
+    """Tensor-parallel styles valid for every one of ``layers`` (the plan is applied to each block alike).
+
+    Layer kinds shard different modules (a DeepSeek model's first dense layers have ``mlp.gate_proj``, its MoE
+    layers ``mlp.shared_experts.gate_proj``), so only the entries all layers share are kept; the others stay
+    replicated rather than naming modules that some blocks lack.
+    """
+    plans = [layer.tp_plan() for layer in layers]
+    return {k: v for k, v in plans[0].items() if all(plan.get(k) == v for plan in plans[1:])} if plans else {}
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm transformer block: attention then SwiGLU MLP, each around a residual connection.
+    """Pre-norm transformer block: attention then an MLP (dense or MoE), each around a residual connection.
 
     Args:
         config: the model's configuration.
+        layer_index: position of the layer in the stack (decides dense or MoE).
     """
 
-    def __init__(self, config: LLMConfig) -> None:
+    def __init__(self, config: LLMConfig, layer_index: int = 0) -> None:
         super().__init__()
-        self.self_attn = Attention(
-            config.hidden_size,
-            config.num_heads,
-            config.num_kv_heads,
-            config.head_dim,
-            qkv_bias=config.attention_bias,
-            o_bias=config.o_proj_bias,
-            qk_norm=config.qk_norm,
-            norm_eps=config.rms_norm_eps,
-            init_std=config.initializer_range,
-        )
-        self.mlp = GatedMLP(
-            config.hidden_size,
-            config.intermediate_size,
-            bias=config.mlp_bias,
-            init_std=config.initializer_range,
-        )
+        self.self_attn = build_attention(config)
+        self.mlp = build_mlp(config, layer_index)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel styles of this layer's modules (names relative to the layer)."""
+        plan = dict(_NORMS_TP_PLAN)
+        if isinstance(self.self_attn, MultiLatentAttention):
+            plan.update({f"self_attn.{k}": v for k, v in self.self_attn.tp_plan().items()})
+        else:
+            plan.update(_GQA_TP_PLAN)
+        if isinstance(self.mlp, MoEBlock):
+            plan.update({f"mlp.{k}": v for k, v in self.mlp.tp_plan().items()})
+        else:
+            plan.update(_DENSE_MLP_TP_PLAN)
+        return plan
 
     def forward(
         self,
@@ -88,9 +192,9 @@ class DecoderModel(nn.Module):
         self.attention_backend = attention_backend
         self.init_std = config.initializer_range
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = RotaryEmbedding(config.rope_head_dim, config.rope_theta, config.rope_scaling)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.init_std)
@@ -128,7 +232,11 @@ class DecoderModel(nn.Module):
 
 
 class DecoderLM(nn.Module):
-    """Decoder-only causal LM (Llama / Qwen2 / Qwen3 / Mistral family) with Hugging Face parameter names.
+    """Decoder-only causal LM (Llama / Qwen2 / Qwen3 / Mistral, Qwen2-MoE / Qwen3-MoE / DeepSeek-V3) with Hugging
+    Face parameter names.
+
+    After a forward, :meth:`router_losses` gives the MoE layers' load-balancing loss, router z-loss and per-expert
+    token counts.
 
     Build on the meta device for large sizes, then ``to_empty(device=...)`` and :meth:`init_weights`.
 
@@ -166,6 +274,16 @@ class DecoderLM(nn.Module):
             # Linear / Embedding layers are initialised by their owner (their own reset is Kaiming-uniform).
             if not isinstance(module, (nn.Linear, nn.Embedding)) and hasattr(module, "reset_parameters"):
                 module.reset_parameters()
+
+    def moe_blocks(self) -> list[MoEBlock]:
+        """The MoE blocks, in layer order (empty for a dense model)."""
+        return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
+
+    def router_losses(self) -> RouterLosses | None:
+        """Router losses and expert loads of the last forward (``None`` for a dense model); see
+        :func:`~forge_lightning.modules.layers.moe.router_losses`."""
+        blocks = self.moe_blocks()
+        return router_losses(blocks) if blocks else None
 
     def hidden_states(
         self,
@@ -236,15 +354,16 @@ class DecoderLM(nn.Module):
             device: cache device; defaults to the model's device.
         """
         weight = self.model.embed_tokens.weight
-        c = self.config
+        c, dtype, device = self.config, dtype or weight.dtype, device or weight.device
+        if c.mla is not None:
+            m = c.mla
+            return [
+                LatentKVCache(
+                    batch_size, max_len, m.kv_lora_rank, m.qk_rope_head_dim, dtype=dtype, device=device
+                )
+                for _ in range(c.num_layers)
+            ]
         return [
-            KVCache(
-                batch_size,
-                c.num_kv_heads,
-                max_len,
-                c.head_dim,
-                dtype=dtype or weight.dtype,
-                device=device or weight.device,
-            )
+            KVCache(batch_size, c.num_kv_heads, max_len, c.head_dim, dtype=dtype, device=device)
             for _ in range(c.num_layers)
         ]

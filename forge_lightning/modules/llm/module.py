@@ -16,10 +16,11 @@ from forge_lightning.modules.layers.attention import document_lengths
 from forge_lightning.modules.llm.config import LLMConfig, attention_flops_per_token, llm_flops_per_token
 from forge_lightning.modules.llm.generation import generate
 from forge_lightning.modules.llm.hf import load_pretrained, save_pretrained
-from forge_lightning.modules.llm.model import DecoderLM
+from forge_lightning.modules.llm.model import DecoderLM, block_tp_plan
 from forge_lightning.modules.lora import LoRAConfig, apply_lora, save_adapter
 from forge_lightning.modules.plan import Component, ParallelPlan
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
+from forge_lightning.performance import PerformanceConfig, ResolvedPerformance, configure_performance, resolve
 
 # Tensor-parallel styles of one decoder layer (relative names) and of the modules around the layers.
 LLM_TP_PLAN = {
@@ -75,9 +76,9 @@ class CausalLM(pl.LightningModule):
         generation: decoding settings for ``predict`` and samples.
         z_loss: weight of the z-loss (``z_loss * logsumexp(logits)^2`` per token) that keeps logits small.
         ignore_index: label value excluded from the loss.
-        kernel_backend: ``auto`` (Triton on CUDA, torch elsewhere), ``triton`` or ``torch`` for fused kernels.
-        attention_backend: kernel for packed batches (``document_ids``): ``auto`` (FlexAttention on CUDA, SDPA
-            with a block-diagonal mask elsewhere), ``sdpa``, ``flex`` or ``varlen``.
+        performance: kernels, attention backends, FP8, activation checkpointing, compile and the optimizer
+            implementation (see :class:`~forge_lightning.performance.PerformanceConfig`; the CLI fills it from the
+            top-level ``performance`` section). Every strategy applies it.
         lora: LoRA adapters (see :class:`~forge_lightning.modules.lora.LoRAConfig`); only they (and
             ``modules_to_save``) train, and :meth:`save_pretrained` writes a PEFT adapter.
     """
@@ -92,8 +93,7 @@ class CausalLM(pl.LightningModule):
         generation: GenerationConfig | dict[str, Any] | None = None,
         z_loss: float = 0.0,
         ignore_index: int = -100,
-        kernel_backend: str = "auto",
-        attention_backend: str = "auto",
+        performance: PerformanceConfig | dict[str, Any] | None = None,
         lora: LoRAConfig | dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
@@ -103,8 +103,7 @@ class CausalLM(pl.LightningModule):
         self.generation_config: GenerationConfig = _as(GenerationConfig, generation)
         self.z_loss = z_loss
         self.ignore_index = ignore_index
-        self.kernel_backend = kernel_backend
-        self.attention_backend = attention_backend
+        self.performance: PerformanceConfig = _as(PerformanceConfig, performance)
         self.lora_config: LoRAConfig | None = None if lora is None else _as(LoRAConfig, lora)
         # Plain containers only, so checkpoints load with weights_only=True.
         self.save_hyperparameters(
@@ -115,12 +114,11 @@ class CausalLM(pl.LightningModule):
                 "generation": dataclasses.asdict(self.generation_config),
                 "z_loss": z_loss,
                 "ignore_index": ignore_index,
-                "kernel_backend": kernel_backend,
-                "attention_backend": attention_backend,
+                "performance": self.performance.to_dict(),
                 "lora": None if self.lora_config is None else dataclasses.asdict(self.lora_config),
             }
         )
-        self.model = DecoderLM(self.config, attention_backend=attention_backend)
+        self.model = DecoderLM(self.config, attention_backend=self.performance.attention.packed)
         if pretrained is not None:
             load_pretrained(self.model, pretrained)
         # The PEFT wrapper is kept outside the module tree: the adapted layers already live in self.model.
@@ -168,11 +166,25 @@ class CausalLM(pl.LightningModule):
         if self._trainer is not None:
             self.trainer.strategy.barrier("save_pretrained")
 
+    @override
+    def configure_model(self) -> None:
+        configure_performance(self)
+
+    def _resolved_performance(self, device: torch.device) -> ResolvedPerformance:
+        """The performance settings with every ``auto`` decided for ``device`` (cached per device type)."""
+        cache = self.__dict__.setdefault("_resolved", {})
+        if device.type not in cache:
+            cache[device.type] = resolve(self.performance, device)
+        return cache[device.type]
+
     def parallel_plan(self) -> ParallelPlan:
         """One component, ``llm``: its decoder layers are the repeated blocks."""
         layers = list(self.model.model.layers)
+        # MoE and MLA layers shard other modules than LLM_TP_PLAN's dense ones: the model gives the block entries.
+        root = {k: v for k, v in LLM_TP_PLAN.items() if k.startswith("<root>.")}
+        tp_plan = {**block_tp_plan(layers), **root}
         return ParallelPlan(
-            components=[Component(name="llm", module=self.model, blocks=layers, tp_plan=LLM_TP_PLAN)]
+            components=[Component(name="llm", module=self.model, blocks=layers, tp_plan=tp_plan)]
         )
 
     # ----- forward and loss ----------------------------------------------------------------------------------
@@ -202,7 +214,7 @@ class CausalLM(pl.LightningModule):
             ignore_index=self.ignore_index,
             reduction="sum",
             z_loss=self.z_loss,
-            backend=self.kernel_backend,
+            backend=self._resolved_performance(hidden_BSH.device).kernels["cross_entropy"],
         )
         return loss, (labels_N != self.ignore_index).sum()
 
@@ -240,7 +252,27 @@ class CausalLM(pl.LightningModule):
         # Lightning divides by accumulate_grad_batches and data parallelism averages over ranks: undo both so
         # the gradient is that of (sum of token losses of the global batch) / (its trainable tokens).
         scale = self.trainer.accumulate_grad_batches * self._data_parallel_size()
-        return loss_sum * (scale / total).to(loss_sum.dtype)
+        loss = loss_sum * (scale / total).to(loss_sum.dtype)
+        router_loss = self._moe_aux_losses()
+        return loss if router_loss is None else loss + router_loss.to(loss.dtype)
+
+    def _moe_aux_losses(self) -> torch.Tensor | None:
+        """Weighted router losses of the last forward (``None`` for a dense model), logging them and the expert load.
+
+        They are per-micro-batch means, so Lightning's division by the accumulation steps and the data-parallel
+        gradient average make the optimizer step use their mean over the global batch.
+        """
+        router = self.model.router_losses()
+        if router is None:
+            return None
+        moe = self.config.moe
+        load_LE = router.tokens_per_expert
+        self.log("train/router_aux_loss", router.aux_loss.detach().float(), rank_zero_only=True)
+        self.log("train/router_z_loss", router.z_loss.detach().float(), rank_zero_only=True)
+        self.log(
+            "moe/expert_load_max_over_mean", (load_LE.amax(-1) / load_LE.mean(-1)).mean(), rank_zero_only=True
+        )
+        return moe.aux_loss_coef * router.aux_loss + moe.z_loss_coef * router.z_loss
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -298,7 +330,9 @@ class CausalLM(pl.LightningModule):
     # ----- optimisation and bookkeeping ------------------------------------------------------------------------
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        optimizer = build_optimizer(self.model, self.optimizer_config)
+        device = next(self.model.parameters()).device
+        implementation = self._resolved_performance(device).optimizer
+        optimizer = build_optimizer(self.model, self.optimizer_config, implementation=implementation)
         total = self.scheduler_config.total_steps or int(self.trainer.estimated_stepping_batches)
         scheduler = build_scheduler(optimizer, self.scheduler_config, total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

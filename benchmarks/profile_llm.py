@@ -1,0 +1,130 @@
+"""Where the GPU time of one training step goes, for our LLM path (``torch.profiler``).
+
+Builds the model as ``benchmarks/llm_throughput.py`` does (``CausalLM`` + its ``performance`` settings), warms
+up, profiles ``--steps`` steps and attributes every CUDA kernel to one bucket: attention, GEMMs (block
+projections), norm / RoPE / activation (the compiled blocks' fused elementwise kernels), loss (the fused linear +
+cross-entropy, its GEMMs included, profiled alone on the same shapes), optimizer, other. It then compares the step
+with the bf16 matmul ceiling.
+
+    python benchmarks/profile_llm.py --shape llama3.2-1b --seq 4096 --batch 8 --path forge
+
+Prints one table last and writes benchmarks/results/profile_<shape>_<seq>_<path>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from llm_throughput import FORGE_PATHS, _build_forge, _random_batches
+
+MATMUL_CEILING_TFLOPS = 798.0  # bf16 torch.matmul measured on this H200
+BUCKETS = ("attention", "gemm", "norm/rope/act", "loss", "optimizer", "other")
+
+
+def _bucket(kernel: str) -> str:
+    lowered = kernel.lower()
+    if "adam" in lowered or "multi_tensor" in lowered:
+        return "optimizer"
+    if any(key in lowered for key in ("flash", "fmha", "sdpa", "attention", "cudnn")):
+        return "attention"
+    if any(key in lowered for key in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "scaled_mm")):
+        return "gemm"
+    if kernel.startswith(("triton_", "_rms", "_rope", "_swiglu")):
+        return "norm/rope/act"
+    if kernel.startswith("_ce_"):
+        return "loss"
+    return "other"
+
+
+def _kernel_ms(fn, repeats: int) -> dict[str, float]:
+    """GPU kernel time per call of ``fn`` by bucket (each kernel counted once, from its device-side event)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(repeats):
+            fn()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == DeviceType.CUDA:
+            totals[_bucket(event.name)] += event.time_range.elapsed_us() / 1e3 / repeats
+    return dict(totals)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="llama3.2-1b")
+    parser.add_argument("--seq", type=int, default=4096)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--path", default="forge", choices=list(FORGE_PATHS))
+    parser.add_argument("--warmup", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+
+    import torch
+
+    from forge_lightning.kernels import fused_linear_cross_entropy
+    from forge_lightning.modules.llm import llm_flops_per_token
+
+    config, model, loss_fn = _build_forge(args.path, args.shape, "cuda", torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    batches = _random_batches(config.vocab_size, args.warmup + args.steps, args.batch, args.seq, "cuda")
+
+    def step(tokens) -> None:
+        loss = loss_fn(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    for tokens in batches[: args.warmup]:
+        step(tokens)
+    torch.cuda.synchronize()
+    timed = iter(batches[args.warmup :])
+    step_ms = _kernel_ms(lambda: step(next(timed)), args.steps)
+    # The fused loss's GEMMs look like any other GEMM: profile the loss alone on the step's shapes (hidden states
+    # in, gradients out) and move its kernels from the name buckets to "loss".
+    hidden = torch.randn(args.batch * args.seq, config.hidden_size, device="cuda", dtype=torch.bfloat16)
+    hidden.requires_grad_(True)
+    head = model.model.lm_head.weight
+    labels = batches[0][:, 1:].reshape(-1)
+
+    def loss_only() -> None:
+        fused_linear_cross_entropy(hidden, head, labels, reduction="sum", backend="triton").backward()
+
+    loss_only()
+    loss_ms = _kernel_ms(loss_only, args.steps)
+    for name, ms in loss_ms.items():
+        step_ms[name] = step_ms.get(name, 0.0) - ms
+    step_ms["loss"] = sum(loss_ms.values())
+    gpu_ms = sum(step_ms.values())
+    flops = llm_flops_per_token(config, args.seq) * args.batch * args.seq
+    ideal_ms = flops / (MATMUL_CEILING_TFLOPS * 1e12) * 1e3
+    result = {
+        "args": vars(args),
+        "per_step_ms": step_ms,
+        "gpu_ms": gpu_ms,
+        "ideal_ms_at_matmul_ceiling": ideal_ms,
+    }
+    out = Path(
+        args.out or Path(__file__).parent / "results" / f"profile_{args.shape}_{args.seq}_{args.path}.json"
+    )
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\n{args.shape}, seq {args.seq}, batch {args.batch}, path {args.path}: GPU kernel time per step")
+    print("| bucket | ms / step | share |")
+    print("|---|---|---|")
+    for name in BUCKETS:
+        print(f"| {name} | {step_ms.get(name, 0.0):.1f} | {100 * step_ms.get(name, 0.0) / gpu_ms:.1f}% |")
+    print(f"| total (kernels) | {gpu_ms:.1f} | 100% |")
+    print(f"| all FLOPs at the {MATMUL_CEILING_TFLOPS:.0f} TFLOP/s matmul ceiling | {ideal_ms:.1f} | |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,196 @@
+"""``PerformanceConfig``: every speed switch of a run, in the one YAML section ``performance`` every strategy honours.
+
+The switches change how fast a step runs, never what it computes (up to floating-point rounding and, for FP8, the
+FP8 recipe's quantisation). Each ``"auto"`` resolves to the fastest correct choice on CUDA and to plain torch
+elsewhere (CPU, XPU); :func:`resolve` does that once the device is known.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+KernelChoice = Literal["auto", "triton", "torch"]
+SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
+CUDA_SDPA_PRIORITY = ["cudnn", "flash", "efficient", "math"]
+"""SDPA backends in priority order on CUDA: cuDNN attention first (about 1.6x FlashAttention-2's speed for causal
+GQA on an H200, measured in docs/benchmarks.md), the others as fallbacks for inputs cuDNN refuses."""
+PACKED_BACKENDS = ("auto", "sdpa", "flex", "varlen")
+AC_MODES = ("none", "full", "selective")
+FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
+DEFAULT_SELECTIVE_SAVE = [
+    "aten.mm.default",
+    "aten.addmm.default",
+    "aten._scaled_mm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+]
+"""Ops whose outputs selective activation checkpointing keeps: the matmuls and attention (expensive to recompute);
+norms, activations and RoPE are recomputed in backward."""
+
+
+@dataclass(kw_only=True)
+class KernelConfig:
+    """Which implementation each fused layer uses: ``triton`` (our Triton kernels), ``torch`` (the plain layers,
+    which ``torch.compile`` fuses) or ``auto``.
+
+    ``auto``: the fused linear + cross-entropy runs in Triton on CUDA; RMSNorm, RoPE and SwiGLU run in Triton on
+    CUDA when the blocks are not compiled (compiled blocks fuse them with their neighbours, which is faster than a
+    separate kernel); torch elsewhere.
+
+    Args:
+        rms_norm: RMSNorm layers.
+        rope: rotary embedding of queries and keys.
+        swiglu: the SwiGLU activation of gated MLPs.
+        cross_entropy: the fused linear + cross-entropy loss.
+    """
+
+    rms_norm: KernelChoice = "auto"
+    rope: KernelChoice = "auto"
+    swiglu: KernelChoice = "auto"
+    cross_entropy: KernelChoice = "auto"
+
+
+@dataclass(kw_only=True)
+class AttentionConfig:
+    """Attention kernels.
+
+    Args:
+        sdpa: SDPA backends allowed, in priority order (``cudnn``, ``flash``, ``efficient``, ``math``); ``auto``:
+            cuDNN, then flash, efficient and math on CUDA, torch's default elsewhere.
+        packed: kernel for packed rows (several documents per row): ``auto`` (FlexAttention on CUDA, SDPA with a
+            block-diagonal mask elsewhere), ``sdpa``, ``flex`` or ``varlen``.
+    """
+
+    sdpa: list[str] | Literal["auto"] = "auto"
+    packed: str = "auto"
+
+
+@dataclass(kw_only=True)
+class Float8Config:
+    """FP8 training of linear layers with torchao's float8 recipes (dynamic scaling).
+
+    Args:
+        recipe: ``tensorwise`` (one scale per tensor, fastest), ``rowwise`` (one scale per row, more accurate) or
+            ``rowwise_with_gw_hp`` (rowwise, weight gradient in high precision).
+        exclude: fully qualified module names or ``fnmatch`` patterns left in high precision (the output head by
+            default: the fused cross-entropy reads its weight directly).
+        fsdp_all_gather: under FSDP2, all-gather parameters in FP8 (tensorwise only; half the bytes of bf16).
+    """
+
+    recipe: str = "tensorwise"
+    exclude: list[str] = field(default_factory=lambda: ["lm_head", "*.lm_head"])
+    fsdp_all_gather: bool = False
+
+
+@dataclass(kw_only=True)
+class PerformanceConfig:
+    """Speed switches applied by every strategy in one order: TP → FP8 → kernels → activation checkpointing →
+    per-block ``torch.compile`` → FSDP / DDP (see ``forge_lightning.performance.transforms``).
+
+    Args:
+        kernels: Triton kernels per layer type.
+        attention: SDPA backends and the packed-rows kernel.
+        compile: ``torch.compile`` each repeated block of the plan; ``auto``: on CUDA.
+        activation_checkpointing: ``none``, ``full`` (recompute whole blocks) or ``selective`` (keep the outputs of
+            ``selective_save_ops``, recompute the rest).
+        selective_save_ops: aten overloads whose outputs selective checkpointing keeps.
+        fp8: FP8 training (``None``: off); needs ``torchao``.
+        optimizer: ``fused`` (one kernel per step), ``foreach`` or ``for_loop`` Adam(W); ``auto``: fused on CUDA,
+            foreach elsewhere.
+    """
+
+    kernels: KernelConfig = field(default_factory=KernelConfig)
+    attention: AttentionConfig = field(default_factory=AttentionConfig)
+    compile: bool | Literal["auto"] = "auto"
+    activation_checkpointing: str = "none"
+    selective_save_ops: list[str] = field(default_factory=lambda: list(DEFAULT_SELECTIVE_SAVE))
+    fp8: Float8Config | None = None
+    optimizer: str = "auto"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.kernels, dict):
+            self.kernels = KernelConfig(**self.kernels)
+        if isinstance(self.attention, dict):
+            self.attention = AttentionConfig(**self.attention)
+        if isinstance(self.fp8, dict):
+            self.fp8 = Float8Config(**self.fp8)
+        for name, value in dataclasses.asdict(self.kernels).items():
+            _check(f"performance.kernels.{name}", value, ("auto", "triton", "torch"))
+        if self.attention.sdpa != "auto":
+            for value in self.attention.sdpa:
+                _check("performance.attention.sdpa entries", value, SDPA_BACKENDS)
+            if not self.attention.sdpa:
+                raise ValueError(
+                    "performance.attention.sdpa is empty: name at least one backend, or use 'auto'"
+                )
+        _check("performance.attention.packed", self.attention.packed, PACKED_BACKENDS)
+        _check("performance.compile", self.compile, (True, False, "auto"))
+        _check("performance.activation_checkpointing", self.activation_checkpointing, AC_MODES)
+        _check("performance.optimizer", self.optimizer, OPTIMIZER_IMPLEMENTATIONS)
+        if self.fp8 is not None:
+            _check("performance.fp8.recipe", self.fp8.recipe, FP8_RECIPES)
+            if self.fp8.fsdp_all_gather and self.fp8.recipe != "tensorwise":
+                raise ValueError(
+                    f"performance.fp8.fsdp_all_gather needs recipe 'tensorwise' (got {self.fp8.recipe!r}): "
+                    "torchao all-gathers FP8 weights with one scale per tensor"
+                )
+
+    def to_dict(self) -> dict:
+        """Plain containers (for hyperparameters that load with ``weights_only=True``)."""
+        return dataclasses.asdict(self)
+
+
+def _check(option: str, value: object, allowed: tuple) -> None:
+    if value not in allowed:
+        raise ValueError(f"{option} ({value!r}) must be one of {', '.join(map(repr, allowed))}")
+
+
+@dataclass(frozen=True)
+class ResolvedPerformance:
+    """A :class:`PerformanceConfig` with every ``auto`` decided for one device."""
+
+    kernels: dict[str, str]
+    sdpa: list[str] | None
+    packed: str
+    compile: bool
+    activation_checkpointing: str
+    selective_save_ops: tuple[str, ...]
+    fp8: Float8Config | None
+    optimizer: str
+
+
+def resolve(perf: PerformanceConfig, device: torch.device | str) -> ResolvedPerformance:
+    """Decide every ``auto`` of ``perf`` for ``device``.
+
+    Args:
+        perf: the run's performance settings.
+        device: where the model trains.
+    """
+    cuda = torch.device(device).type == "cuda"
+    compiled = cuda if perf.compile == "auto" else bool(perf.compile)
+    kernels = {}
+    for name, choice in dataclasses.asdict(perf.kernels).items():
+        if choice == "auto":
+            # Compiled blocks fuse norms, RoPE and SwiGLU with their neighbours; the loss sits outside the blocks.
+            choice = "triton" if cuda and (name == "cross_entropy" or not compiled) else "torch"
+        kernels[name] = choice
+    sdpa = perf.attention.sdpa
+    if sdpa == "auto":
+        sdpa = list(CUDA_SDPA_PRIORITY) if cuda else None
+    return ResolvedPerformance(
+        kernels=kernels,
+        sdpa=sdpa,
+        packed=perf.attention.packed,
+        compile=compiled,
+        activation_checkpointing=perf.activation_checkpointing,
+        selective_save_ops=tuple(perf.selective_save_ops),
+        fp8=perf.fp8,
+        optimizer=("fused" if cuda else "foreach") if perf.optimizer == "auto" else perf.optimizer,
+    )

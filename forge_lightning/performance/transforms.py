@@ -1,0 +1,230 @@
+"""The transforms that apply a :class:`~forge_lightning.performance.PerformanceConfig` to a module's parallel plan.
+
+Every strategy applies them in one fixed order, between its own tensor parallelism and its data-parallel
+wrapping::
+
+    tensor parallelism ─ FP8 ─ kernels ─ SDPA backends ─ activation checkpointing ─ torch.compile ─ FSDP / DDP
+    (strategy)           apply_performance (this module)                                          (strategy)
+
+Strategies that shard or parallelise the model (``FSDP2Strategy``) call :func:`apply_performance` themselves after
+TP and declare ``applies_performance = True``. For every other strategy (Lightning's single-device and DDP
+strategies and ours built on them, which wrap the model after ``configure_model``), the LightningModule's
+``configure_model`` calls :func:`configure_performance`. Each transform reads only the plan (components, blocks,
+frozen flags), never a model family, logs one line and keeps parameter names unchanged.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch import nn
+
+from forge_lightning.modules.plan import ParallelPlan
+from forge_lightning.performance.config import PerformanceConfig, resolve
+
+_APPLIED = "_forge_performance_applied"
+
+
+def apply_performance(plan: ParallelPlan, perf: PerformanceConfig, device: torch.device | str) -> None:
+    """Apply FP8, kernels, SDPA backends, activation checkpointing and compilation, in that order.
+
+    Args:
+        plan: the module's parallel plan (tensor parallelism, if any, already applied).
+        perf: the run's performance settings.
+        device: where the model trains (decides every ``auto``).
+    """
+    resolved = resolve(perf, device)
+    apply_fp8(plan, resolved.fp8)
+    apply_kernels(plan, resolved.kernels)
+    apply_sdpa_backends(resolved.sdpa)
+    apply_activation_checkpointing(plan, resolved.activation_checkpointing, resolved.selective_save_ops)
+    apply_compile(plan, enabled=resolved.compile)
+
+
+def configure_performance(module: Any) -> None:
+    """``configure_model`` helper of LightningModules: apply the module's ``performance`` unless the strategy does.
+
+    Idempotent (``configure_model`` runs for every ``fit`` / ``validate`` call).
+
+    Args:
+        module: a LightningModule with ``parallel_plan()`` and a ``performance`` attribute, attached to a trainer.
+    """
+    strategy = module.trainer.strategy
+    if getattr(strategy, "applies_performance", False) or getattr(module, _APPLIED, False):
+        return
+    apply_performance(module.parallel_plan(), module.performance, strategy.root_device)
+    setattr(module, _APPLIED, True)
+
+
+def mark_applied(module: nn.Module) -> None:
+    """Record that a strategy applied ``module``'s performance settings (so nothing applies them twice)."""
+    setattr(module, _APPLIED, True)
+
+
+# ----- FP8 ---------------------------------------------------------------------------------------------------
+def apply_fp8(plan: ParallelPlan, fp8: Any) -> None:
+    """Swap the trainable components' ``nn.Linear`` layers for torchao ``Float8Linear`` (dynamic scaling).
+
+    Layers named in ``fp8.exclude`` and layers whose dimensions are not multiples of 16 (FP8 GEMM tiles) stay in
+    high precision.
+
+    Args:
+        plan: the module's parallel plan.
+        fp8: a :class:`~forge_lightning.performance.Float8Config`, or ``None`` (no-op).
+    """
+    if fp8 is None:
+        return
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as err:
+        raise ImportError(
+            "performance.fp8 needs torchao: pip install 'forge-lightning[fp8]' (or torchao>=0.18)"
+        ) from err
+    config = Float8LinearConfig.from_recipe_name(fp8.recipe)
+    if fp8.fsdp_all_gather:
+        import dataclasses
+
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    converted: list[str] = []
+
+    def keep_in_fp8(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return True  # descend into containers
+        excluded = any(fnmatch.fnmatchcase(fqn, pattern) for pattern in fp8.exclude)
+        fits = module.in_features % 16 == 0 and module.out_features % 16 == 0
+        if fits and not excluded:
+            converted.append(fqn)
+        return fits and not excluded
+
+    for comp in plan:
+        if not comp.frozen:
+            convert_to_float8_training(comp.module, module_filter_fn=keep_in_fp8, config=config)
+    rank_zero_info(
+        f"fp8: {len(converted)} linear layers to Float8Linear ({fp8.recipe}, FSDP FP8 all-gather "
+        f"{'on' if fp8.fsdp_all_gather else 'off'}); excluded {fp8.exclude}"
+    )
+
+
+# ----- kernels and attention ---------------------------------------------------------------------------------
+def apply_kernels(plan: ParallelPlan, kernels: dict[str, str]) -> None:
+    """Switch the plan's RMSNorm / GatedMLP / Attention layers to their Triton twins where ``kernels`` says so.
+
+    Args:
+        plan: the module's parallel plan.
+        kernels: resolved choice per kernel (``triton`` or ``torch``), see :func:`~forge_lightning.performance.resolve`.
+    """
+    from forge_lightning.modules.layers.fused import FUSED_LAYERS
+
+    counts = {}
+    for name, (plain, fused) in FUSED_LAYERS.items():
+        if kernels.get(name) != "triton":
+            continue
+        counts[name] = 0
+        for comp in plan:
+            for module in comp.module.modules():
+                if type(module) is plain:
+                    module.__class__ = fused  # same parameters and buffers, the kernel's forward
+                    counts[name] += 1
+    if counts:
+        rank_zero_info(f"kernels: Triton for {counts}; cross-entropy {kernels.get('cross_entropy')}")
+
+
+def apply_sdpa_backends(backends: list[str] | None) -> None:
+    """Allow only ``backends`` for ``scaled_dot_product_attention`` in this process, tried in the given order.
+
+    Process-wide (like ``torch.backends.cuda.enable_*_sdp``), so compiled graphs see it too. ``None``: unchanged.
+
+    Args:
+        backends: names among ``cudnn``, ``flash``, ``efficient``, ``math``, highest priority first.
+    """
+    if backends is None:
+        return
+    from torch.nn.attention import SDPBackend
+
+    enums = {
+        "cudnn": SDPBackend.CUDNN_ATTENTION,
+        "flash": SDPBackend.FLASH_ATTENTION,
+        "efficient": SDPBackend.EFFICIENT_ATTENTION,
+        "math": SDPBackend.MATH,
+    }
+    torch.backends.cuda.enable_cudnn_sdp("cudnn" in backends)
+    torch.backends.cuda.enable_flash_sdp("flash" in backends)
+    torch.backends.cuda.enable_mem_efficient_sdp("efficient" in backends)
+    torch.backends.cuda.enable_math_sdp("math" in backends)
+    # The priority order is what `torch.nn.attention.sdpa_kernel(..., set_priority=True)` sets inside its context;
+    # here it must outlive any context, so it is set directly.
+    order = [enums[name] for name in backends] + [e for name, e in enums.items() if name not in backends]
+    torch._C._set_sdp_priority_order([int(e) for e in order])
+    rank_zero_info(f"sdpa backends: {backends}")
+
+
+# ----- activation checkpointing and compilation ----------------------------------------------------------------
+def apply_activation_checkpointing(plan: ParallelPlan, mode: str, save_ops: tuple[str, ...] = ()) -> None:
+    """Recompute each trainable block's activations in backward (the composable ``checkpoint`` API).
+
+    Args:
+        plan: the module's parallel plan.
+        mode: ``none`` (no-op), ``full`` (recompute everything) or ``selective`` (keep the outputs of
+            ``save_ops``, recompute the rest).
+        save_ops: aten overload names, e.g. ``aten.mm.default`` (selective only).
+    """
+    if mode == "none":
+        return
+    from torch.distributed._composable import checkpoint
+
+    kwargs: dict[str, Any] = {}
+    if mode == "selective":
+        kwargs["context_fn"] = _selective_context(save_ops)
+    count = 0
+    for comp in plan:
+        if comp.frozen:
+            continue
+        for block in comp.blocks:
+            checkpoint(block, **kwargs)
+            count += 1
+    rank_zero_info(f"activation checkpointing ({mode}): {count} blocks")
+
+
+def _selective_context(save_ops: tuple[str, ...]) -> Any:
+    from functools import partial
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    saved = {_aten_op(name) for name in save_ops}
+    saved.discard(None)
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    return partial(create_selective_checkpoint_contexts, policy)
+
+
+def _aten_op(name: str) -> Any:
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default`` (``None`` for an op this torch build lacks)."""
+    parts = name.split(".")
+    if len(parts) != 3 or parts[0] != "aten":
+        raise ValueError(
+            f"performance.selective_save_ops entry {name!r} must look like 'aten.<op>.<overload>'"
+        )
+    packet = getattr(torch.ops.aten, parts[1], None)
+    return None if packet is None else getattr(packet, parts[2], None)
+
+
+def apply_compile(plan: ParallelPlan, *, enabled: bool) -> None:
+    """``torch.compile`` each block in place (parameter names unchanged; one graph reused by all blocks).
+
+    Args:
+        plan: the module's parallel plan.
+        enabled: apply it (a no-op when ``False``).
+    """
+    if not enabled:
+        return
+    count = 0
+    for comp in plan:
+        for block in comp.blocks:
+            block.compile()
+            count += 1
+    rank_zero_info(f"torch.compile: {count} blocks")

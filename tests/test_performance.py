@@ -1,0 +1,171 @@
+"""The ``performance`` section: validation, ``auto`` resolution, and each transform against the plain model."""
+
+import copy
+
+import pytest
+import torch
+from tiny import TINY_LLM
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from forge_lightning.kernels import triton_available
+from forge_lightning.modules.layers.fused import FusedGatedMLP, FusedRMSNorm, FusedRopeAttention
+from forge_lightning.modules.llm import CausalLM, DecoderLM, LLMConfig
+from forge_lightning.modules.plan import Component, ParallelPlan
+from forge_lightning.performance import (
+    PerformanceConfig,
+    apply_activation_checkpointing,
+    apply_fp8,
+    apply_kernels,
+    resolve,
+)
+
+
+def _model(seed: int = 0) -> DecoderLM:
+    torch.manual_seed(seed)
+    return DecoderLM(LLMConfig.load(TINY_LLM))
+
+
+def _plan(model: DecoderLM) -> ParallelPlan:
+    return ParallelPlan(components=[Component(name="llm", module=model, blocks=list(model.model.layers))])
+
+
+def _loss_and_grads(model: DecoderLM, tokens: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize(
+    ("overrides", "match"),
+    [
+        ({"kernels": {"rms_norm": "cuda"}}, r"performance.kernels.rms_norm \('cuda'\) must be one of"),
+        ({"attention": {"sdpa": ["flash", "fast"]}}, r"performance.attention.sdpa entries \('fast'\)"),
+        ({"attention": {"packed": "ring"}}, r"performance.attention.packed \('ring'\)"),
+        ({"activation_checkpointing": "some"}, r"performance.activation_checkpointing \('some'\)"),
+        ({"optimizer": "fast"}, r"performance.optimizer \('fast'\)"),
+        ({"fp8": {"recipe": "blockwise"}}, r"performance.fp8.recipe \('blockwise'\)"),
+        ({"fp8": {"recipe": "rowwise", "fsdp_all_gather": True}}, "needs recipe 'tensorwise'"),
+    ],
+)
+def test_bad_values_name_the_option(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        PerformanceConfig(**overrides)
+
+
+def test_auto_is_plain_torch_on_cpu_and_fastest_on_cuda():
+    cpu = resolve(PerformanceConfig(), "cpu")
+    assert cpu.kernels == dict.fromkeys(("rms_norm", "rope", "swiglu", "cross_entropy"), "torch")
+    assert (cpu.sdpa, cpu.compile, cpu.optimizer, cpu.activation_checkpointing) == (
+        None,
+        False,
+        "foreach",
+        "none",
+    )
+    cuda = resolve(PerformanceConfig(), "cuda")
+    assert cuda.compile and cuda.optimizer == "fused" and cuda.sdpa == ["cudnn", "flash", "efficient", "math"]
+    # Compiled blocks fuse norm / RoPE / SwiGLU themselves; the loss outside the blocks stays a Triton kernel.
+    assert cuda.kernels == {
+        "rms_norm": "torch",
+        "rope": "torch",
+        "swiglu": "torch",
+        "cross_entropy": "triton",
+    }
+    eager = resolve(PerformanceConfig(compile=False), "cuda")
+    assert set(eager.kernels.values()) == {"triton"}
+    forced = resolve(
+        PerformanceConfig(kernels={"rope": "torch"}, compile=False, optimizer="for_loop"), "cuda"
+    )
+    assert forced.kernels["rope"] == "torch" and forced.optimizer == "for_loop"
+
+
+def test_triton_kernel_layers_match_the_plain_model(monkeypatch):
+    if not triton_available():
+        pytest.skip("triton is not installed")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # CPU tensors run the kernels in Triton's interpreter
+    plain, fused = _model(), _model()
+    apply_kernels(_plan(fused), {"rms_norm": "triton", "rope": "triton", "swiglu": "triton"})
+    layer = fused.model.layers[0]
+    assert type(layer.input_layernorm) is FusedRMSNorm and type(fused.model.norm) is FusedRMSNorm
+    assert type(layer.mlp) is FusedGatedMLP and type(layer.self_attn) is FusedRopeAttention
+    assert fused.state_dict().keys() == plain.state_dict().keys()
+    tokens = torch.randint(0, TINY_LLM["vocab_size"], (2, 13))
+    loss, grads = _loss_and_grads(plain, tokens)
+    fused_loss, fused_grads = _loss_and_grads(fused, tokens)
+    torch.testing.assert_close(fused_loss, loss, rtol=1e-5, atol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(fused_grads[name], grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _backward_matmuls(model: DecoderLM, tokens: torch.Tensor) -> tuple[int, torch.Tensor, dict]:
+    model.zero_grad(set_to_none=True)
+    loss = model(tokens).float().logsumexp(-1).mean()
+    with _CountMatmuls() as counter:
+        loss.backward()
+    return counter.count, loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def test_activation_checkpointing_recomputes_what_its_mode_says_and_keeps_gradients():
+    tokens = torch.randint(0, TINY_LLM["vocab_size"], (2, 9))
+    models = {mode: _model() for mode in ("none", "full", "selective")}
+    for mode, model in models.items():
+        apply_activation_checkpointing(
+            _plan(model), mode, resolve(PerformanceConfig(), "cpu").selective_save_ops
+        )
+    counts = {mode: _backward_matmuls(model, tokens) for mode, model in models.items()}
+    base_count, base_loss, base_grads = counts["none"]
+    # Full recomputes each of the 2 blocks up to the last tensor backward needs: 6 of its 7 projections (the
+    # output of the MLP's down projection is not needed). Selective keeps matmul outputs: no matmul again.
+    assert counts["full"][0] == base_count + 2 * 6
+    assert counts["selective"][0] == base_count
+    for mode in ("full", "selective"):
+        assert torch.equal(counts[mode][1], base_loss)
+        for name, grad in base_grads.items():
+            torch.testing.assert_close(counts[mode][2][name], grad, rtol=0, atol=0, msg=f"{mode} {name}")
+
+
+def test_selective_save_ops_must_be_aten_names():
+    with pytest.raises(ValueError, match="must look like 'aten.<op>.<overload>'"):
+        apply_activation_checkpointing(_plan(_model()), "selective", ("mm",))
+
+
+def test_fp8_converts_the_block_linears_but_not_the_head_and_trains_close_to_fp32():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    config = dict(TINY_LLM, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    reference = DecoderLM(LLMConfig.load(config))
+    model = copy.deepcopy(reference)
+    apply_fp8(_plan(model), PerformanceConfig(fp8={"recipe": "tensorwise"}).fp8)
+    fp8_layers = [n for n, m in model.named_modules() if isinstance(m, Float8Linear)]
+    assert len(fp8_layers) == 2 * 7 and not any("lm_head" in n for n in fp8_layers)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    tokens = torch.randint(0, config["vocab_size"], (2, 17))
+    loss, grads = _loss_and_grads(reference, tokens)
+    fp8_loss, fp8_grads = _loss_and_grads(model, tokens)
+    assert abs(fp8_loss - loss) / loss < 1e-2  # e4m3 forward, e5m2 gradients: ~3% per-element rounding
+    for name, grad in grads.items():
+        rel = (fp8_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12)
+        assert rel < 0.15, (name, rel)
+
+
+def test_causal_lm_takes_performance_and_keeps_it_in_hyperparameters():
+    module = CausalLM(config=TINY_LLM, performance={"attention": {"packed": "sdpa"}, "optimizer": "for_loop"})
+    assert module.model.model.attention_backend == "sdpa"
+    assert module.hparams["performance"]["optimizer"] == "for_loop"
+    with pytest.raises(ValueError, match="performance.attention.packed"):
+        CausalLM(config=TINY_LLM, performance={"attention": {"packed": "ring"}})
