@@ -5,9 +5,9 @@ The device mesh has three named dimensions::
     dp_replicate × dp_shard × tp          (data_parallel_size = dp_replicate × dp_shard)
     HSDP: parameters sharded over dp_shard, replicated over dp_replicate; TP shards inside each block
 
-Transforms follow the one fixed order (see ``forge_lightning.strategies.parallelize``): TP → activation
-checkpointing → per-block ``torch.compile`` → ``fully_shard`` of every block, then of the LightningModule as the
-root. The root's step methods (``training_step`` ...) are registered as FSDP forward methods, so the parameters
+Transforms follow the one fixed order: TP (``forge_lightning.strategies.parallelize``) → the module's
+``performance`` settings (FP8, kernels, activation checkpointing, per-block ``torch.compile``; see
+``forge_lightning.performance``) → ``fully_shard`` of every block, then of the LightningModule as the root. The root's step methods (``training_step`` ...) are registered as FSDP forward methods, so the parameters
 outside the blocks (embedding, final norm, output head) are gathered for the whole step even when the module
 calls submodule methods other than ``forward`` or reads a weight directly (a fused linear + cross-entropy).
 """
@@ -30,7 +30,9 @@ from torch import nn
 from typing_extensions import override
 
 from forge_lightning.modules.plan import ParallelPlan
+from forge_lightning.performance import PerformanceConfig, apply_performance, mark_applied
 from forge_lightning.strategies import parallelize as par
+from forge_lightning.strategies.comm import FSDPCommHandles, apply_fsdp_comm_options, check_fsdp_comm_options
 from forge_lightning.strategies.distributed_checkpoint import (
     full_model_state_dict,
     load_distributed_checkpoint,
@@ -102,14 +104,25 @@ class FSDP2Strategy(ModelParallelStrategy):
         backward_prefetch: blocks prefetched in backward (1: FSDP2's default).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
         unsharded_components: frozen components kept whole and replicated on every rank (e.g. a vision encoder).
-        activation_checkpointing: recompute each block's activations in backward.
-        compile: ``torch.compile`` each block.
+        param_all_gather: ``exact`` (FSDP2's all-gather) or ``delta_fp8``: each rank sends the block-quantized FP8
+            difference between its shard and the last reconstruction (about half the bytes of bf16; every rank
+            holds bit-identical parameters; see ``forge_lightning.strategies.comm.delta_fp8``).
+        delta_resync_every: with ``delta_fp8``, send the exact shards every this many steps (0: never).
+        delta_keep_unsharded: with ``delta_fp8``, keep parameters unsharded between steps (ZeRO-2-like): the
+            reconstruction is the unsharded parameter storage itself (otherwise it costs one extra unsharded copy
+            of the model per rank).
+        gradient_reduce: ``exact`` (FSDP2's reduce-scatter), ``bf16`` or ``fp8`` (block-scaled e4m3 payload,
+            reduced in fp32; see ``forge_lightning.strategies.comm.fp8_reduce_scatter``).
+        fp8_error_feedback: with ``gradient_reduce: fp8``, add each step's quantization error to the next step's
+            gradient (an fp32 buffer the size of each unit's unsharded gradient).
+        fp8_block: elements per fp32 scale in the FP8 collectives.
         process_group_backend: ``nccl``, ``gloo``...; default from the device.
         timeout: collective timeout.
     """
 
     strategy_name = "fsdp2"
     owns_checkpoint_io = True
+    applies_performance = True  # after TP, before fully_shard (the module's configure_model leaves it to us)
 
     def __init__(
         self,
@@ -126,8 +139,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         backward_prefetch: int = 1,
         cpu_offload: bool = False,
         unsharded_components: list[str] | None = None,
-        activation_checkpointing: bool = False,
-        compile: bool = False,
+        param_all_gather: str = "exact",
+        delta_resync_every: int = 0,
+        delta_keep_unsharded: bool = False,
+        gradient_reduce: str = "exact",
+        fp8_error_feedback: bool = True,
+        fp8_block: int = 256,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -150,9 +167,21 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.backward_prefetch = backward_prefetch
         self.cpu_offload = cpu_offload
         self.unsharded_components = list(unsharded_components or [])
-        self.activation_checkpointing = activation_checkpointing
-        self.compile = compile
+        check_fsdp_comm_options(
+            param_all_gather, gradient_reduce, delta_resync_every, fp8_block, delta_keep_unsharded
+        )
+        self.comm_options = {
+            "param_all_gather": param_all_gather,
+            "gradient_reduce": gradient_reduce,
+            "fp8_error_feedback": fp8_error_feedback,
+            "delta_resync_every": delta_resync_every,
+            "delta_keep_unsharded": delta_keep_unsharded,
+            "fp8_block": fp8_block,
+        }
+        self._comm: FSDPCommHandles | None = None
+        self._accumulate = 1
         self._dp_group: Any = None
+        self._fp8_all_gather = False
 
     # ----- mesh and degrees -------------------------------------------------------------------------------------
     @override
@@ -236,16 +265,20 @@ class FSDP2Strategy(ModelParallelStrategy):
         _materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        self._accumulate = trainer.accumulate_grad_batches
         self.parallelize(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            if self._comm is not None and self._comm.all_gather is not None:
+                optimizer = self.optimizers[-1]
+                self._comm.all_gather.attach(getattr(optimizer, "optimizer", optimizer))
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
     def parallelize(self, module: nn.Module) -> None:
-        """Apply TP, activation checkpointing, compilation and FSDP to ``module`` from its parallel plan."""
+        """Apply TP, the module's performance settings and FSDP to ``module`` from its parallel plan."""
         plan = _plan_of(module)
         unsharded = par.check_unsharded(plan, self.unsharded_components)
         mesh = self.device_mesh
@@ -253,8 +286,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             par.apply_tensor_parallel(
                 plan, mesh["tp"], sequence_parallel=self.sequence_parallel, skip=[c.name for c in unsharded]
             )
-        par.apply_activation_checkpointing(plan, enabled=self.activation_checkpointing)
-        par.apply_compile(plan, enabled=self.compile)
+        self._fp8_all_gather = _fp8_all_gather(module)
+        apply_performance(plan, getattr(module, "performance", None) or PerformanceConfig(), self.root_device)
+        mark_applied(module)
         self._apply_fully_shard(module, plan, unsharded)
 
     def _fsdp_kwargs(self) -> dict[str, Any]:
@@ -289,12 +323,37 @@ class FSDP2Strategy(ModelParallelStrategy):
         for name in _STEP_METHODS:
             if callable(getattr(module, name, None)):
                 register_fsdp_forward_method(module, name)
+        self._apply_comm_options(module)
         param, reduce, _ = self.mp_dtypes
         rank_zero_info(
             f"fully_shard: {len(sharded_blocks)} blocks + root over {kwargs['mesh'].size()} ranks "
             f"({'HSDP' if kwargs['mesh'].ndim == 2 else 'FSDP'}); params {param or 'as stored'}, reduce "
             f"{reduce or param or 'as stored'}; reshard_after_forward={self.reshard_after_forward}; cpu_offload="
             f"{self.cpu_offload}; unsharded components {[c.name for c in unsharded]}"
+        )
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if self._fp8_all_gather:
+            # torchao's FP8 all-gather needs each weight's amax / scale once per step, computed for all weights
+            # in one batched pass after the update (else every all-gather computes its own).
+            from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+            precompute_float8_dynamic_scale_for_fsdp(self.lightning_module)
+        return output
+
+    def _apply_comm_options(self, module: nn.Module) -> None:
+        options = dict(self.comm_options)
+        if options["param_all_gather"] == "exact" and options["gradient_reduce"] == "exact":
+            return
+        if not options["delta_keep_unsharded"]:
+            # Resharded, the delta all-gather runs once per micro-batch forward: count re-syncs in steps.
+            options["delta_resync_every"] *= self._accumulate
+        self._comm = apply_fsdp_comm_options(module, **options)
+        rank_zero_info(
+            f"FSDP2 collectives: parameter all-gather {options['param_all_gather']}, gradient reduce-scatter "
+            f"{options['gradient_reduce']} (error feedback {'on' if options['fp8_error_feedback'] else 'off'})"
         )
 
     # ----- checkpoints ------------------------------------------------------------------------------------------
@@ -311,7 +370,10 @@ class FSDP2Strategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None
-        return load_distributed_checkpoint(path, self.model, self.optimizers)
+        checkpoint = load_distributed_checkpoint(path, self.model, self.optimizers)
+        if self._comm is not None and self._comm.all_gather is not None:
+            self._comm.all_gather.request_resync()  # the loaded shards differ from the last reconstruction
+        return checkpoint
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -335,6 +397,11 @@ def _plan_of(module: nn.Module) -> ParallelPlan:
             "module's ParallelPlan (see forge_lightning.modules.plan)"
         )
     return plan_fn()
+
+
+def _fp8_all_gather(module: nn.Module) -> bool:
+    perf = getattr(module, "performance", None)
+    return bool(perf is not None and perf.fp8 is not None and perf.fp8.fsdp_all_gather)
 
 
 def _set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:

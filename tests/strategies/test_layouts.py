@@ -97,9 +97,9 @@ def test_fsdp2_with_activation_checkpointing_and_dcp_resume_on_one_process(runne
     losses = runner(
         "fsdp2",
         "--trainer.strategy",
-        "forge_lightning.strategies.FSDP2Strategy",
-        "--trainer.strategy.activation_checkpointing",
-        "true",
+        "fsdp2",
+        "--performance.activation_checkpointing",
+        "full",
         checkpoint=True,
     )
     _assert_same(losses, runner.reference)
@@ -124,6 +124,19 @@ def test_fsdp2_with_activation_checkpointing_and_dcp_resume_on_one_process(runne
 )  # fmt: skip
 def test_hsdp_matches_one_process(runner, name, args):
     _assert_same(runner(name, *args), runner.reference)
+
+
+def test_fsdp2_fp8_collectives_stay_close_to_one_process(runner):
+    losses = runner(
+        "fsdp2_fp8_comm",
+        "--trainer.strategy",
+        "forge_lightning.strategies.FSDP2Strategy",
+        "--trainer.strategy.param_all_gather",
+        "delta_fp8",
+        "--trainer.strategy.gradient_reduce",
+        "fp8",
+    )
+    _assert_same(losses, runner.reference, tol=2e-3)
 
 
 def test_fsdp_x_tensor_parallel_matches_one_process(runner):
@@ -160,6 +173,8 @@ def test_zero1_matches_one_process_and_resumes_on_one_process(runner):
                 "forge_lightning.strategies.DDPStrategy",
                 "--trainer.strategy.comm_hook",
                 "none",
+                "--performance.activation_checkpointing",  # applied by the module before DDP wraps it
+                "selective",
             ],
             2e-6,
         ),
