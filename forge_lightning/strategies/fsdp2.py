@@ -104,6 +104,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         backward_prefetch: blocks prefetched in backward (1: FSDP2's default).
         cpu_offload: keep sharded parameters, gradients and optimizer state in host memory.
         unsharded_components: frozen components kept whole and replicated on every rank (e.g. a vision encoder).
+        replicated_components: trainable components kept whole on every data-parallel rank, as one unit whose
+            gradients are all-reduced (a 2-D replicate x 1 mesh): no parameter all-gathers for a small encoder.
+            They also stay out of tensor parallelism: with TP > 1 they run with TP = 1, data-parallel across the
+            TP group (per-component TP size).
         param_all_gather: ``exact`` (FSDP2's all-gather) or ``delta_fp8``: each rank sends the block-quantized FP8
             difference between its shard and the last reconstruction (about half the bytes of bf16; every rank
             holds bit-identical parameters; see ``forge_lightning.strategies.comm.delta_fp8``).
@@ -139,6 +143,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         backward_prefetch: int = 1,
         cpu_offload: bool = False,
         unsharded_components: list[str] | None = None,
+        replicated_components: list[str] | None = None,
         param_all_gather: str = "exact",
         delta_resync_every: int = 0,
         delta_keep_unsharded: bool = False,
@@ -167,6 +172,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.backward_prefetch = backward_prefetch
         self.cpu_offload = cpu_offload
         self.unsharded_components = list(unsharded_components or [])
+        self.replicated_components = list(replicated_components or [])
+        overlap = set(self.unsharded_components) & set(self.replicated_components)
+        if overlap:
+            raise ValueError(
+                f"components {sorted(overlap)} are in both unsharded_components and replicated_components: "
+                "unsharded means frozen and outside FSDP, replicated means trained with all-reduced gradients"
+            )
         check_fsdp_comm_options(
             param_all_gather, gradient_reduce, delta_resync_every, fp8_block, delta_keep_unsharded
         )
@@ -281,15 +293,15 @@ class FSDP2Strategy(ModelParallelStrategy):
         """Apply TP, the module's performance settings and FSDP to ``module`` from its parallel plan."""
         plan = _plan_of(module)
         unsharded = par.check_unsharded(plan, self.unsharded_components)
+        replicated = [plan.component(name) for name in par.check_components(plan, self.replicated_components)]
         mesh = self.device_mesh
         if mesh["tp"].size() > 1:
-            par.apply_tensor_parallel(
-                plan, mesh["tp"], sequence_parallel=self.sequence_parallel, skip=[c.name for c in unsharded]
-            )
+            skip = [c.name for c in unsharded + replicated]
+            par.apply_tensor_parallel(plan, mesh["tp"], sequence_parallel=self.sequence_parallel, skip=skip)
         self._fp8_all_gather = _fp8_all_gather(module)
         apply_performance(plan, getattr(module, "performance", None) or PerformanceConfig(), self.root_device)
         mark_applied(module)
-        self._apply_fully_shard(module, plan, unsharded)
+        self._apply_fully_shard(module, plan, unsharded, replicated)
 
     def _fsdp_kwargs(self) -> dict[str, Any]:
         from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -304,12 +316,30 @@ class FSDP2Strategy(ModelParallelStrategy):
             "offload_policy": offload or OffloadPolicy(),
         }
 
-    def _apply_fully_shard(self, module: nn.Module, plan: ParallelPlan, unsharded: list) -> None:
+    def _replicate_mesh(self) -> Any:
+        """``replicate x 1`` mesh over this rank's data-parallel peers (FSDP2 then all-reduces gradients)."""
+        from torch.distributed.device_mesh import DeviceMesh
+
+        ranks_RST = self.device_mesh.mesh
+        tp = ranks_RST.shape[2]
+        ranks_TD1 = ranks_RST.permute(2, 0, 1).reshape(tp, -1, 1)
+        names = ("replicate_tp", "replicate", "replicate_shard")
+        return DeviceMesh(self.root_device.type, ranks_TD1, mesh_dim_names=names)[
+            "replicate", "replicate_shard"
+        ]
+
+    def _apply_fully_shard(
+        self, module: nn.Module, plan: ParallelPlan, unsharded: list, replicated: list
+    ) -> None:
         from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
         kwargs = self._fsdp_kwargs()
         ignored = par.parameters_of(unsharded)
-        skip = {c.name for c in unsharded}
+        if replicated:
+            replicate_kwargs = {**kwargs, "mesh": self._replicate_mesh()}
+            for comp in replicated:
+                fully_shard(comp.module, reshard_after_forward=False, **replicate_kwargs)
+        skip = {c.name for c in unsharded + replicated}
         sharded_blocks: list[nn.Module] = []
         for comp in plan:
             if comp.name in skip:
@@ -329,7 +359,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             f"fully_shard: {len(sharded_blocks)} blocks + root over {kwargs['mesh'].size()} ranks "
             f"({'HSDP' if kwargs['mesh'].ndim == 2 else 'FSDP'}); params {param or 'as stored'}, reduce "
             f"{reduce or param or 'as stored'}; reshard_after_forward={self.reshard_after_forward}; cpu_offload="
-            f"{self.cpu_offload}; unsharded components {[c.name for c in unsharded]}"
+            f"{self.cpu_offload}; unsharded components {[c.name for c in unsharded]}; replicated components "
+            f"{[c.name for c in replicated]}"
         )
 
     @override

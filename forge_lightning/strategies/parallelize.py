@@ -127,6 +127,15 @@ def trainable_components(plan: ParallelPlan) -> list[Component]:
     return [c for c in plan if not c.frozen]
 
 
+def check_components(plan: ParallelPlan, names: Iterable[str]) -> list[str]:
+    """``names`` if each is a component of ``plan``; a clear error otherwise."""
+    known = {c.name for c in plan}
+    for name in names:
+        if name not in known:
+            raise ValueError(f"component {name!r} is not in the module's plan, which has {sorted(known)}")
+    return list(names)
+
+
 def check_unsharded(plan: ParallelPlan, unsharded: Iterable[str]) -> list[Component]:
     """The components named in ``unsharded``; each must exist in the plan and be frozen.
 
