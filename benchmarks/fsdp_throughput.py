@@ -73,11 +73,12 @@ def _run_forge(args, path: str, tokens) -> tuple[float, int]:
 
     cuda = args.device == "cuda"
     performance = {"fp8": {"recipe": "tensorwise", "fsdp_all_gather": True}} if path.endswith("fp8") else {}
-    with torch.device("meta"):
+    if path == "forge-ddp":  # DDP replicates a materialized model; FSDP2 materializes its shards itself
         module = CausalLM(config=args.shape, performance=performance, optimizer={"lr": 1e-4})
-    if path == "forge-ddp":
         strategy, precision = DDPStrategy(), "bf16-mixed"
     else:
+        with torch.device("meta"):
+            module = CausalLM(config=args.shape, performance=performance, optimizer={"lr": 1e-4})
         strategy = FSDP2Strategy(param_dtype="bf16", reduce_dtype="fp32")
         precision = "32-true"
     timer = _StepTimer(args.warmup, torch.device(args.device))
@@ -136,7 +137,7 @@ def _run_hf(args, path: str, tokens) -> tuple[float, int]:
         with torch.no_grad():
             model.apply(model._init_weights)
         # RoPE frequencies are a buffer FSDP does not manage: rebuild them on the device.
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config, device=device)
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
     timer = _StepTimer(args.warmup, device)
     for step, t in enumerate(tokens):
