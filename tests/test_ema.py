@@ -77,7 +77,9 @@ def test_resume_continues_the_same_average(tmp_path):
     trainer.save_checkpoint(tmp_path / "half.ckpt")
     torch.manual_seed(1)  # the weights come from the checkpoint, not from this seed
     resumed = EMA(decay=0.9)
-    _trainer(tmp_path / "c", [resumed], steps=4).fit(_Regression(), _data(4), ckpt_path=tmp_path / "half.ckpt")
+    _trainer(tmp_path / "c", [resumed], steps=4).fit(
+        _Regression(), _data(4), ckpt_path=tmp_path / "half.ckpt"
+    )
     for a, b in zip(straight.average, resumed.average, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
 
