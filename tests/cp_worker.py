@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 from forge_lightning.modules.layers.attention import DocumentMask, attention
-from forge_lightning.modules.layers.context_parallel import ContextParallel, ulysses_attention
+from forge_lightning.strategies.context_parallel import ContextParallel, ulysses_attention
 
 B, H, K, S, D = 2, 4, 2, 16, 8
 
@@ -49,7 +49,7 @@ def main() -> None:
     }
     try:
         ContextParallel(group=dist.group.WORLD)
-        from forge_lightning.modules.layers.context_parallel import to_head_parallel
+        from forge_lightning.strategies.context_parallel import to_head_parallel
 
         to_head_parallel(torch.zeros(1, 3, 4, 2), ContextParallel(group=dist.group.WORLD))
     except ValueError as err:

@@ -22,7 +22,7 @@ def results(tmp_path_factory):
         )
         for rank in range(2)
     ]  # fmt: skip
-    logs = [p.communicate(timeout=120)[0] for p in procs]
+    logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 

@@ -27,7 +27,7 @@ def results(tmp_path_factory):
         )
         for rank in range(2)
     ]
-    logs = [p.communicate(timeout=180)[0] for p in procs]
+    logs = [p.communicate(timeout=480)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 

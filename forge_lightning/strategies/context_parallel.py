@@ -13,8 +13,8 @@ communication is constant per device as the context grows. Heads (query and key/
 ``P``. Rank ``r`` holds positions ``[r·S/P, (r+1)·S/P)``, or the chunks ``chunk_order`` names (a causal
 load-balanced split).
 
-Model code stays plain: the attention block calls :func:`attention`; a strategy that shards the sequence passes
-the process group through :class:`ContextParallel`.
+Model code stays plain (no distributed imports under ``modules/``): a strategy that shards the sequence swaps the
+attention blocks' kernel call for :func:`ulysses_attention` with its process group in a :class:`ContextParallel`.
 """
 
 from __future__ import annotations
