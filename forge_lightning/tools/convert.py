@@ -3,8 +3,8 @@
 ``forge-convert ckpt-to-hf --ckpt last.ckpt --output DIR [--dtype bfloat16]`` turns a Lightning checkpoint of a
 model with ``save_pretrained`` (e.g. ``CausalLM``) into a Hugging Face directory. ``forge-convert merge-lora --base HF_DIR --adapter DIR --output DIR`` folds a LoRA adapter
 into its base model and saves a full fp32 Hugging Face checkpoint. ``forge-convert hf-to-megatron`` /
-``megatron-to-hf`` convert between Hugging Face and megatron-core dist checkpoints. Each command is one
-function in ``COMMANDS``.
+``megatron-to-hf`` convert between Hugging Face and MegatronStrategy's megatron-core dist-checkpoints (megatron-core
+is imported only when one of them runs). Each command is one function in ``COMMANDS``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import importlib
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -92,13 +93,46 @@ def _add_merge_lora(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=merge_lora)
 
 
-def _add_megatron(sub: argparse._SubParsersAction) -> None:
-    """``hf-to-megatron`` / ``megatron-to-hf``, when megatron-core (the ``megatron`` extra) is installed."""
+def _megatron_convert(command: str) -> Any:
+    """``forge_lightning.strategies.megatron.convert``, imported on demand (it imports megatron-core)."""
     try:
-        from forge_lightning.strategies.megatron.convert import add_commands
-    except ImportError:
-        return
-    add_commands(sub)
+        return importlib.import_module("forge_lightning.strategies.megatron.convert")
+    except ImportError as err:
+        raise SystemExit(
+            f"forge-convert {command} needs megatron-core: install the `megatron` extra ({err})"
+        ) from err
+
+
+def hf_to_megatron(args: argparse.Namespace) -> None:
+    """Write a Hugging Face directory as a MegatronStrategy checkpoint (weights only)."""
+    print(f"wrote {_megatron_convert('hf-to-megatron').hf_to_megatron(args.hf, args.output)}")
+
+
+def megatron_to_hf(args: argparse.Namespace) -> None:
+    """Write the weights of a MegatronStrategy checkpoint (any layout) as a Hugging Face directory."""
+    convert = _megatron_convert("megatron-to-hf").megatron_to_hf
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    print(f"wrote {convert(args.megatron, args.output, dtype=dtype, overwrite=args.overwrite)}")
+
+
+def _add_megatron(sub: argparse._SubParsersAction) -> None:
+    """``hf-to-megatron`` / ``megatron-to-hf``; megatron-core (the ``megatron`` extra) is imported only by them."""
+    p = sub.add_parser(
+        "hf-to-megatron", help="Hugging Face directory -> MegatronStrategy checkpoint (weights)"
+    )
+    p.add_argument("--hf", required=True, help="Hugging Face model directory")
+    p.add_argument("--output", required=True, help="megatron checkpoint directory to create")
+    p.set_defaults(func=hf_to_megatron)
+    p = sub.add_parser(
+        "megatron-to-hf", help="MegatronStrategy checkpoint (any layout) -> Hugging Face directory"
+    )
+    p.add_argument(
+        "--megatron", required=True, help="checkpoint directory (MegatronStrategy or hf-to-megatron)"
+    )
+    p.add_argument("--output", required=True, help="Hugging Face directory to write")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights before saving")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
+    p.set_defaults(func=megatron_to_hf)
 
 
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [

@@ -1,6 +1,7 @@
-"""``forge-convert hf-to-megatron`` then ``megatron-to-hf`` reproduces the Hugging Face weights bit for bit."""
+"""``forge-convert hf-to-megatron`` then ``megatron-to-hf`` reproduces the Hugging Face weights bit for bit, in
+MegatronStrategy's checkpoint format; megatron-core is imported only by those two commands."""
 
-import argparse
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -11,21 +12,24 @@ from safetensors.torch import load_file
 
 REPO = Path(__file__).resolve().parents[2]
 _MAIN = """
-import argparse, sys
+import json, sys
 sys.path.insert(0, "tests/megatron")
 import cuda_shim
 cuda_shim.install()  # megatron-core's checkpoint writer calls torch.cuda.synchronize()
-from forge_lightning.strategies.megatron.convert import add_commands
-parser = argparse.ArgumentParser(prog="forge-convert")
-add_commands(parser.add_subparsers(dest="command", required=True))
-args = parser.parse_args(sys.argv[1:])
-args.func(args)
+from forge_lightning.tools.convert import main
+for command in json.loads(sys.argv[1]):
+    main(command)
 """
 
 
-def _convert(*args: str) -> None:
+def _convert(*commands: list[str]) -> None:
+    """Run ``forge-convert`` commands one after the other in one fresh process."""
     proc = subprocess.run(
-        [sys.executable, "-c", _MAIN, *args], cwd=REPO, capture_output=True, text=True, timeout=180
+        [sys.executable, "-c", _MAIN, json.dumps(commands)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=180,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
@@ -33,20 +37,34 @@ def _convert(*args: str) -> None:
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(hf_models, tmp_path, arch):
     path, _ = hf_models[arch]
-    _convert("hf-to-megatron", "--hf", str(path), "--output", str(tmp_path / "mcore"))
-    assert (tmp_path / "mcore" / "config.json").is_file()
-    _convert("megatron-to-hf", "--megatron", str(tmp_path / "mcore"), "--output", str(tmp_path / "hf"))
-    exported, original = (
-        load_file(tmp_path / "hf" / "model.safetensors"),
-        load_file(path / "model.safetensors"),
+    mcore, hf = tmp_path / "mcore", tmp_path / "hf"
+    _convert(
+        ["hf-to-megatron", "--hf", str(path), "--output", str(mcore)],
+        ["megatron-to-hf", "--megatron", str(mcore), "--output", str(hf)],
     )
+    # MegatronStrategy's format: megatron-core's dist-checkpoint, Lightning's meta.pt, the HF config.
+    assert all((mcore / name).is_file() for name in ("metadata.json", ".metadata", "meta.pt", "config.json"))
+    meta = torch.load(mcore / "meta.pt", weights_only=True)
+    assert (
+        meta["megatron"]["format"] == "forge-megatron-dist-checkpoint"
+        and meta["megatron"]["optimizer"] is None
+    )
+    exported, original = load_file(hf / "model.safetensors"), load_file(path / "model.safetensors")
     assert sorted(exported) == sorted(original)
     assert all(torch.equal(exported[k], original[k]) for k in original)
 
 
-def test_commands_register_on_a_parser():
-    from forge_lightning.strategies.megatron.convert import add_commands
-
-    sub = argparse.ArgumentParser().add_subparsers(dest="command")
-    add_commands(sub)
-    assert {"hf-to-megatron", "megatron-to-hf"} <= set(sub.choices)
+def test_megatron_commands_import_megatron_core_only_when_run():
+    code = (
+        "import sys\n"
+        "from forge_lightning.tools.convert import main\n"
+        "for command in ('ckpt-to-hf', 'hf-to-megatron', 'megatron-to-hf'):\n"
+        "    try:\n"
+        "        main([command, '--help'])\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "assert not [m for m in sys.modules if m.startswith('megatron')], 'megatron-core imported'\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "--megatron" in proc.stdout and "--hf" in proc.stdout

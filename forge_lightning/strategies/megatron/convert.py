@@ -1,8 +1,9 @@
-"""``forge-convert hf-to-megatron`` / ``megatron-to-hf``: Hugging Face <-> megatron-core dist-checkpoint.
+"""``forge-convert hf-to-megatron`` / ``megatron-to-hf``: Hugging Face <-> MegatronStrategy checkpoints.
 
-A megatron checkpoint here is megatron-core's ``dist_checkpointing`` directory of the GPT model's sharded state
-dict (loadable at any TP / PP layout) plus the Hugging Face ``config.json`` it came from. Conversion runs in one
-process on the CPU (TP = PP = 1)::
+Both read and write MegatronStrategy's checkpoint format (see checkpoint.py): megatron-core's ``dist_checkpointing``
+directory (torch_dist) + ``meta.pt`` + the Hugging Face ``config.json``. ``hf-to-megatron`` writes the weights
+only (no optimizer, no loop state); ``megatron-to-hf`` reads the weights of any checkpoint, whatever layout trained
+it. Conversion runs in one process (TP = PP = 1)::
 
     forge-convert hf-to-megatron --hf HF_DIR --output MEGATRON_DIR
     forge-convert megatron-to-hf --megatron MEGATRON_DIR --output HF_DIR [--dtype bfloat16]
@@ -10,9 +11,8 @@ process on the CPU (TP = PP = 1)::
 
 from __future__ import annotations
 
-import argparse
+import json
 import os
-import shutil
 import socket
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,6 +21,9 @@ from typing import Any
 import torch
 
 from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.strategies.megatron import checkpoint as ckpt
+
+_ONE_PROCESS = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1, "data_parallel_size": 1}
 
 
 @contextmanager
@@ -54,26 +57,27 @@ def _build(config: LLMConfig) -> torch.nn.Module:
 
 
 def hf_to_megatron(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> Path:
-    """Write a Hugging Face checkpoint as a megatron-core dist-checkpoint directory (plus its ``config.json``).
+    """Write a Hugging Face checkpoint as a MegatronStrategy checkpoint directory holding the weights only.
 
     Args:
         hf_dir: Hugging Face directory (``config.json`` + safetensors).
         out_dir: the megatron checkpoint directory to create (must not exist or be empty).
     """
-    from megatron.core import dist_checkpointing
-
     from forge_lightning.strategies.megatron.bridge import load_hf_checkpoint
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
         raise FileExistsError(f"{out_dir} exists and is not empty")
-    out_dir.mkdir(parents=True, exist_ok=True)
     config = LLMConfig.load(hf_dir)
     with _single_process_world():
         model = _build(config)
         load_hf_checkpoint([model], config, hf_dir)
-        dist_checkpointing.save(model.sharded_state_dict(), str(out_dir))
-    shutil.copy2(hf_dir / "config.json", out_dir / "config.json")
+        checkpoint = {
+            ckpt.SHARDED_KEY: ckpt.sharded_state_dict([model], None, is_loading=False),
+            ckpt.HF_CONFIG_KEY: json.loads((hf_dir / "config.json").read_text()),
+            ckpt.INFO_KEY: {"layout": _ONE_PROCESS, "world_size": 1, "optimizer": None},
+        }
+        ckpt.MegatronCheckpointIO().save_checkpoint(checkpoint, out_dir)
     return out_dir
 
 
@@ -84,50 +88,32 @@ def megatron_to_hf(
     dtype: torch.dtype | None = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write a megatron-core dist-checkpoint directory (from :func:`hf_to_megatron`) as a Hugging Face directory.
+    """Write the weights of a MegatronStrategy checkpoint (any layout) as a Hugging Face directory.
 
     Args:
-        megatron_dir: the megatron checkpoint directory (with its ``config.json``).
+        megatron_dir: a checkpoint directory written by MegatronStrategy or :func:`hf_to_megatron`.
         out_dir: the Hugging Face directory to write.
         dtype: cast floating tensors (default: as stored).
         overwrite: replace a non-empty ``out_dir``.
     """
-    from megatron.core import dist_checkpointing
-
     from forge_lightning.modules.llm.hf import save_pretrained
     from forge_lightning.strategies.megatron.bridge import export_hf_state
 
     megatron_dir = Path(megatron_dir)
-    config = LLMConfig.load(megatron_dir / "config.json")
+    ckpt.check_is_checkpoint(megatron_dir)
+    config = LLMConfig.load(ckpt.read_hf_config(megatron_dir))
     with _single_process_world():
-        model = _build(config)
-        state = dist_checkpointing.load(model.sharded_state_dict(), str(megatron_dir))
-        model.load_state_dict(state)
+        model = _build(config).to(_stored_dtype(megatron_dir))
+        template = ckpt.sharded_state_dict([model], None, is_loading=True)
+        loaded = ckpt.MegatronCheckpointIO().load_checkpoint(megatron_dir, sharded_state_dict=template)
+        ckpt.load_into([model], None, loaded[ckpt.SHARDED_KEY])
         tensors = export_hf_state([model], config)
     return save_pretrained(None, config, out_dir, dtype=dtype, overwrite=overwrite, state_dict=tensors)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+def _stored_dtype(path: Path) -> torch.dtype:
+    """The dtype the checkpoint's model weights were saved in (bf16 for bf16 training, else fp32)."""
+    from megatron.core import dist_checkpointing
 
-
-def _hf_to_megatron_command(args: argparse.Namespace) -> None:
-    print(f"wrote {hf_to_megatron(args.hf, args.output)}")
-
-
-def _megatron_to_hf_command(args: argparse.Namespace) -> None:
-    dtype = _DTYPES[args.dtype] if args.dtype else None
-    print(f"wrote {megatron_to_hf(args.megatron, args.output, dtype=dtype, overwrite=args.overwrite)}")
-
-
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    """Register ``hf-to-megatron`` and ``megatron-to-hf`` on ``forge-convert``'s subparsers."""
-    p = sub.add_parser("hf-to-megatron", help="Hugging Face directory -> megatron-core dist-checkpoint")
-    p.add_argument("--hf", required=True, help="Hugging Face model directory")
-    p.add_argument("--output", required=True, help="megatron checkpoint directory to create")
-    p.set_defaults(func=_hf_to_megatron_command)
-    p = sub.add_parser("megatron-to-hf", help="megatron-core dist-checkpoint -> Hugging Face directory")
-    p.add_argument("--megatron", required=True, help="megatron checkpoint directory (from hf-to-megatron)")
-    p.add_argument("--output", required=True, help="Hugging Face directory to write")
-    p.add_argument("--dtype", choices=sorted(_DTYPES), default=None, help="cast weights before saving")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
-    p.set_defaults(func=_megatron_to_hf_command)
+    stored = dist_checkpointing.load_tensors_metadata(str(path))
+    return stored["embedding.word_embeddings.weight"].dtype

@@ -87,3 +87,46 @@ def run_schedule(
     if parallel_state.get_pipeline_model_parallel_world_size() > 1:
         torch.distributed.all_reduce(sums, group=parallel_state.get_pipeline_model_parallel_group())
     return sums
+
+
+def check_interleaved_micro_batches(pp: int, vpp: int | None, accumulate: int) -> None:
+    """Raise ``ValueError`` unless the interleaved schedule can run ``accumulate`` micro-batches per step.
+
+    megatron-core's interleaved 1F1B runs each virtual stage on groups of ``pp`` consecutive micro-batches
+    (``microbatch_group_size_per_vp_stage``, default PP), so their count must be a multiple of PP.
+
+    Args:
+        pp: ``pipeline_model_parallel_size``.
+        vpp: ``virtual_pipeline_model_parallel_size`` (``None`` or 1: not interleaved, any count works).
+        accumulate: ``trainer.accumulate_grad_batches``, the micro-batches of one optimizer step.
+    """
+    if vpp is None or vpp == 1 or accumulate % pp == 0:
+        return
+    raise ValueError(
+        f"virtual_pipeline_model_parallel_size={vpp} (interleaved 1F1B) runs micro-batches in groups of "
+        f"pipeline_model_parallel_size={pp}: trainer.accumulate_grad_batches ({accumulate}) must be a multiple "
+        f"of {pp} (e.g. {accumulate // pp * pp or pp} or {(accumulate // pp + 1) * pp}; keep the global batch by "
+        "adjusting data.batch_size)"
+    )
+
+
+def eval_micro_batches(batch: dict[str, Tensor], count: int, *, ignore_index: int) -> list[dict[str, Tensor]]:
+    """``count`` micro-batches carrying exactly ``batch``'s trainable tokens (for the interleaved schedule).
+
+    Split along the batch dimension when it divides, else ``batch`` plus ``count - 1`` copies whose labels are all
+    ``ignore_index`` (they add no loss and no tokens).
+
+    Args:
+        batch: one evaluation batch (``input_ids``, ``labels`` ``[b, s]``).
+        count: micro-batches wanted (1: ``[batch]``).
+        ignore_index: label value excluded from the loss.
+    """
+    size = batch["input_ids"].shape[0]
+    if count == 1:
+        return [batch]
+    if size % count == 0:
+        keys = [k for k, v in batch.items() if isinstance(v, Tensor) and v.ndim and v.shape[0] == size]
+        parts = {k: batch[k].chunk(count) for k in keys}
+        return [{**batch, **{k: parts[k][i] for k in keys}} for i in range(count)]
+    padding = {**batch, "labels": torch.full_like(batch["labels"], ignore_index)}
+    return [batch] + [padding] * (count - 1)

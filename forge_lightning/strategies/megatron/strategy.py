@@ -11,6 +11,10 @@ weights into it (each rank keeps its TP shard of its pipeline stage) and trains 
       optimizer_step      ──> megatron optimizer.step() (grad clipping, DistributedOptimizer all-gather)
       lr_scheduler.step() ──> the module's SchedulerConfig, as a LambdaLR on megatron's param groups
 
+Checkpoints are megatron-core dist-checkpoints written through :class:`MegatronCheckpointIO` (checkpoint.py): model
+chunks and optimizer sharded, Lightning's own state in a ``weights_only`` file beside them; they resume at any
+TP / PP / VPP / DP layout.
+
 The one batch rule maps onto megatron's knobs: ``data.batch_size`` is megatron's micro-batch size,
 ``accumulate_grad_batches`` its number of micro-batches, and the global batch is their product times the
 data-parallel size (world / (TP × PP)).
@@ -18,12 +22,15 @@ data-parallel size (world / (TP × PP)).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -41,9 +48,16 @@ from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 from typing_extensions import override
 
+from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
+from forge_lightning.strategies.megatron import checkpoint as ckpt
 from forge_lightning.strategies.megatron import model as twin
+from forge_lightning.strategies.megatron.checkpoint import MegatronCheckpointIO
 from forge_lightning.strategies.megatron.optimizer import build_megatron_optimizer, build_schedulers
-from forge_lightning.strategies.megatron.schedule import run_schedule
+from forge_lightning.strategies.megatron.schedule import (
+    check_interleaved_micro_batches,
+    eval_micro_batches,
+    run_schedule,
+)
 
 _PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16-true": True}
 
@@ -56,7 +70,8 @@ class MegatronStrategy(ParallelStrategy):
     Args:
         tensor_model_parallel_size: TP ranks (keep within a node); must divide heads, key/value heads and vocab.
         pipeline_model_parallel_size: pipeline stages (1F1B schedule); must divide the layers.
-        virtual_pipeline_model_parallel_size: model chunks per stage (interleaved 1F1B); ``None``: one.
+        virtual_pipeline_model_parallel_size: model chunks per stage (interleaved 1F1B; ``accumulate_grad_batches``
+            must be a multiple of PP); ``None``: one.
         sequence_parallel: with TP, shard norms / dropout / residual stream on the sequence.
         context_parallel_size: accepted for the option's name; only 1 is supported yet.
         expert_model_parallel_size: accepted for the option's name; only 1 is supported yet (dense models).
@@ -103,7 +118,7 @@ class MegatronStrategy(ParallelStrategy):
         self._parallel_ready = False
         self._chunks: list[nn.Module] = []
         self._pending: list[dict[str, torch.Tensor]] = []
-        self._step_sums: torch.Tensor | None = None
+        self._bf16 = False
 
     # ----- processes and parallel groups ------------------------------------------------------------------------
     @property
@@ -225,18 +240,23 @@ class MegatronStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        bf16 = _bf16(trainer.precision)
+        self._bf16 = _bf16(trainer.precision)
         self._chunks = twin.build_chunks(
             self.lightning_module,
             self._degrees(),
             device=self.root_device,
-            bf16=bf16,
+            bf16=self._bf16,
             use_transformer_engine=self.use_transformer_engine,
         )
         self._chunks = twin.wrap_ddp(
             self._chunks, self._degrees(), overlap_grad_reduce=self.overlap_grad_reduce
         )
         if trainer.state.fn == TrainerFn.FITTING:
+            check_interleaved_micro_batches(
+                self.pipeline_model_parallel_size,
+                self.virtual_pipeline_model_parallel_size,
+                trainer.accumulate_grad_batches,
+            )
             self.setup_optimizers(trainer)
 
     @override
@@ -308,8 +328,11 @@ class MegatronStrategy(ParallelStrategy):
     def _eval_step(self, prefix: str, batch: dict[str, torch.Tensor]) -> None:
         for chunk in self._chunks:
             chunk.eval()
+        # The interleaved schedule runs micro-batches in groups of PP: split (or pad) the batch into PP of them.
+        groups = self.pipeline_model_parallel_size if len(self._chunks) > 1 else 1
+        batches = eval_micro_batches(batch, groups, ignore_index=self._ignore_index())
         with torch.no_grad():
-            sums = run_schedule(self._chunks, [batch], ignore_index=self._ignore_index(), forward_only=True)
+            sums = run_schedule(self._chunks, batches, ignore_index=self._ignore_index(), forward_only=True)
         sums = self.reduce(sums, reduce_op="sum")
         for chunk in self._chunks:
             chunk.train()
@@ -345,12 +368,90 @@ class MegatronStrategy(ParallelStrategy):
 
         return export_hf_state(self._chunks, self.lightning_module.config)
 
+    # ----- checkpoints (see checkpoint.py) ----------------------------------------------------------------------
+    @property
+    @override
+    def checkpoint_io(self) -> CheckpointIO:
+        if self._checkpoint_io is None:
+            self._checkpoint_io = MegatronCheckpointIO()
+        return self._checkpoint_io
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if isinstance(io, AtomicCheckpointIO) and not isinstance(io, MegatronCheckpointIO):
+            # forge's CLI adds its single-file default when the strategy is given by its short name.
+            rank_zero_info(f"{type(self).__name__}: writes dist-checkpoints with MegatronCheckpointIO")
+            return
+        if io is not None and not isinstance(io, MegatronCheckpointIO):
+            raise TypeError(
+                f"MegatronStrategy writes megatron-core dist-checkpoints through MegatronCheckpointIO, not "
+                f"{type(io).__name__}: drop the checkpoint I/O plugin from the trainer"
+            )
+        self._checkpoint_io = io
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the checkpoint loads into the megatron chunks and optimizer, which setup builds
+
+    @property
+    @override
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # load_checkpoint restored it from the dist-checkpoint
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {}  # the trained weights are the chunks' (saved sharded); the module's own copy is stale
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {}  # saved sharded with the model
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
-        raise NotImplementedError(
-            "checkpoints are not yet supported by MegatronStrategy: set trainer.enable_checkpointing: false and "
-            "export with full_model_state_dict / forge-convert"
-        )
+        """Write a megatron-core dist-checkpoint directory at ``filepath`` (collective; atomic)."""
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} writes its own checkpoints and takes no storage_options")
+        path = self.broadcast(str(filepath))
+        with_optimizer = "optimizer_states" in checkpoint  # absent in ModelCheckpoint(save_weights_only=True)
+        optimizer = self.optimizers[0] if with_optimizer and self.optimizers else None
+        checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+        checkpoint[ckpt.SHARDED_KEY] = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=False)
+        checkpoint[ckpt.HF_CONFIG_KEY] = self.lightning_module.config.to_hf()
+        checkpoint[ckpt.INFO_KEY] = {
+            "layout": {**self._degrees(), "data_parallel_size": self.data_parallel_size},
+            "world_size": self.world_size,
+            "optimizer": self._optimizer_kind() if optimizer is not None else None,
+        }
+        self.checkpoint_io.save_checkpoint(checkpoint, path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Load a checkpoint of any layout into this rank's chunks (and optimizer, when fitting). Collective."""
+        path = Path(self.broadcast(str(checkpoint_path)))
+        meta = ckpt.check_is_checkpoint(path)
+        ckpt.check_model_config(path, self.lightning_module.config)
+        fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        optimizer = self.optimizers[0] if fitting and self.optimizers else None
+        if optimizer is not None:
+            ckpt.check_optimizer_kind(path, meta, self._optimizer_kind())
+        template = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=True)
+        checkpoint = self.checkpoint_io.load_checkpoint(path, sharded_state_dict=template)
+        ckpt.load_into(self._chunks, optimizer, checkpoint.pop(ckpt.SHARDED_KEY))
+        rank_zero_info(f"{type(self).__name__}: loaded {path} ({ckpt.describe_layout(checkpoint)})")
+        checkpoint[ckpt.SHARDED_KEY] = {}
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        pass  # loaded into the chunks by load_checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        pass  # loaded by load_checkpoint
+
+    def _optimizer_kind(self) -> dict[str, bool]:
+        return {"distributed": self.use_distributed_optimizer, "bf16": self._bf16}
 
     @override
     def teardown(self) -> None:

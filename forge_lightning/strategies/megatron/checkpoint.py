@@ -1,0 +1,416 @@
+"""Checkpoints of ``MegatronStrategy``: megatron-core dist-checkpoints that resume at any TP / PP / VPP / DP layout.
+
+A checkpoint is a directory (Lightning's ``ModelCheckpoint`` names it like a file, e.g. ``epoch=0-step=3.ckpt``)::
+
+    epoch=0-step=3.ckpt/
+      metadata.json  common.pt  .metadata  __*_*.distcp   megatron-core dist_checkpointing, torch_dist backend:
+                                                         the model chunks ("model0", "model1", ...) and the
+                                                         (distributed) optimizer ("optimizer"), one file per
+                                                         writing rank and thread
+      meta.pt                                            Lightning's own state: global step, loops (with the data
+                                                         loader position), LR schedulers, callbacks, hyper-
+                                                         parameters, and the layout it was written at; plain
+                                                         containers only (loads with ``weights_only=True``)
+      config.json                                        the model's Hugging Face config
+
+Why the layout may change on resume: megatron-core saves every tensor under a global key with its global shape
+(the layers stacked on a leading layer axis, each TP rank's shard a slice of it), and the optimizer state
+alongside the parameter it belongs to (the DistributedOptimizer in its ``fully_reshardable`` form). Loading asks
+for this run's slices of those global tensors, whatever layout wrote them.
+
+Atomic: every rank writes into ``.<name>.tmp`` beside the target; once all have finished, global rank 0 renames
+it into place. A crash mid-save leaves the previous checkpoints untouched (and a stale ``.tmp`` that the next save
+replaces).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from torch import nn
+from typing_extensions import override
+
+from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.strategies.checkpoint_io import atomic_torch_save
+
+FORMAT = "forge-megatron-dist-checkpoint"
+FORMAT_VERSION = 1
+META_FILE = "meta.pt"
+CONFIG_FILE = "config.json"
+MEGATRON_METADATA_FILE = "metadata.json"  # written last by megatron-core's dist_checkpointing.save
+# Keys of the checkpoint dict handed to MegatronCheckpointIO.save_checkpoint that are not Lightning's own.
+SHARDED_KEY = "state_dict"  # the sharded state dict (model chunks + optimizer)
+HF_CONFIG_KEY = "hf_config"  # written as config.json
+INFO_KEY = "megatron"  # format, layout and optimizer kind, kept in meta.pt
+# The DistributedOptimizer's reshardable form: each parameter's state saved like the parameter itself.
+_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+
+
+# ----------------------------------------------------------------------------------------------- state dicts
+
+
+def _inner(chunk: nn.Module) -> nn.Module:
+    """The chunk inside megatron's ``DistributedDataParallel`` (``Float16Module`` or ``GPTModel``)."""
+    from megatron.core.distributed import DistributedDataParallel
+
+    return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
+
+
+def sharded_state_dict(
+    chunks: Sequence[nn.Module], optimizer: Any | None, *, is_loading: bool
+) -> dict[str, Any]:
+    """The sharded state dict of this rank's model chunks and (optionally) megatron's optimizer.
+
+    Args:
+        chunks: this rank's model chunks (one per virtual pipeline stage), DDP-wrapped or not.
+        optimizer: megatron's (chained) optimizer, or ``None`` for the weights only.
+        is_loading: build the template to load into (allocates optimizer state not yet created).
+
+    Returns:
+        ``{"model0": ..., "model1": ..., "optimizer": ...}``. The nesting only names this rank's parts: every
+        tensor carries its own global key, so a checkpoint written with N chunks loads into M.
+    """
+    state: dict[str, Any] = {
+        f"model{i}": _inner(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)
+    }
+    if optimizer is not None:
+        if is_loading:
+            _allocate_distributed_adam_state(optimizer)
+        state["optimizer"] = optimizer.sharded_state_dict(
+            state, is_loading=is_loading, metadata=dict(_OPTIMIZER_METADATA)
+        )
+    return state
+
+
+def _allocate_distributed_adam_state(optimizer: Any) -> None:
+    """Give each parameter of a fresh DistributedOptimizer's torch Adam a zero state (step 0), in place.
+
+    Without TransformerEngine or Apex, megatron-core's ``DistributedOptimizer.state_dict`` reads every parameter's
+    Adam ``step``, which torch creates only at the first step: a fresh optimizer could not describe what to load.
+    The zeros are overwritten by the load; parameters are not touched (unlike a dummy step, which would decay them).
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = member.optimizer
+        if not isinstance(member, DistributedOptimizer) or not isinstance(
+            inner, torch.optim.Adam | torch.optim.AdamW
+        ):
+            continue
+        for group in inner.param_groups:
+            for param in group["params"]:
+                if not inner.state[param]:
+                    inner.state[param] = {
+                        "step": torch.tensor(0.0),
+                        "exp_avg": torch.zeros_like(param),
+                        "exp_avg_sq": torch.zeros_like(param),
+                    }
+
+
+def load_into(chunks: Sequence[nn.Module], optimizer: Any | None, loaded: Mapping[str, Any]) -> None:
+    """Copy a loaded sharded state dict (see :func:`sharded_state_dict`) into the chunks and the optimizer."""
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    if optimizer is None:
+        return
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    states = (
+        [loaded["optimizer"]] if len(members) == 1 else [v for _, v in sorted(loaded["optimizer"].items())]
+    )
+    for member, state in zip(members, states, strict=True):
+        _load_optimizer(member, state)
+
+
+def _load_optimizer(optimizer: Any, state: dict[str, Any]) -> None:
+    """``optimizer.load_state_dict(state)``, working around two faults of megatron-core 0.16's DistributedOptimizer
+    around torch's Adam (no TransformerEngine or Apex):
+
+    * it gives every parameter the *same* ``step`` tensor, which torch's Adam then increments once per parameter
+      in each step (a wrong bias correction from the first step after a resume): each gets its own copy here;
+    * it copies the loaded state into every entry of Adam's state, ``step`` included, which the loaded state lacks
+      (it is kept per group): a ``KeyError: 'step'``. So the groups and steps load first, then the parameter state
+      with the ``step`` entries set aside.
+    """
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if (
+        not isinstance(optimizer, DistributedOptimizer)
+        or state.get("param_state_sharding_type") != (_OPTIMIZER_METADATA["distrib_optim_sharding_type"])
+    ):
+        optimizer.load_state_dict(state)
+        return
+    state = dict(state)
+    param_state = state.pop("param_state")
+    state.pop("param_state_sharding_type")
+    optimizer.load_state_dict(state)  # param groups, Adam's step, grad scaler
+    inner = optimizer.optimizer.state
+    steps = {param: entry.pop("step") for param, entry in inner.items() if "step" in entry}
+    try:
+        optimizer.load_parameter_state_from_fully_reshardable(param_state)
+    finally:
+        for param, step in steps.items():
+            inner[param]["step"] = step.clone()
+
+
+def _sharded_tensors(state: Any) -> list[Any]:
+    """Every ``ShardedTensor`` of a sharded state dict (factories expanded into the tensors they save)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    tensors = []
+    for value in nested_values(state):
+        if isinstance(value, ShardedTensorFactory):
+            tensors += _sharded_tensors(value.build())
+        elif isinstance(value, ShardedTensor):
+            tensors.append(value)
+    return tensors
+
+
+# ----------------------------------------------------------------------------------------------- validation
+
+
+def _stale_hint(path: Path) -> str:
+    old = path.with_name(f".{path.name}.old")
+    if old.is_dir():
+        return (
+            f" (a save interrupted while replacing it left the previous checkpoint at {old}: rename it back)"
+        )
+    return ""
+
+
+def check_is_checkpoint(path: Path) -> dict[str, Any]:
+    """Raise a clear error unless ``path`` is a complete checkpoint of this format; return its ``meta.pt``."""
+    if path.is_file():
+        raise ValueError(
+            f"{path} is a file, not a MegatronStrategy checkpoint directory: checkpoints of the other strategies "
+            "do not load under MegatronStrategy; export their weights to Hugging Face (forge-convert ckpt-to-hf) "
+            "and start from them with model.init_args.pretrained"
+        )
+    if not path.is_dir():
+        raise FileNotFoundError(f"checkpoint {path} not found{_stale_hint(path)}")
+    missing = [name for name in (META_FILE, MEGATRON_METADATA_FILE) if not (path / name).is_file()]
+    if missing:
+        raise ValueError(
+            f"{path} is not a complete MegatronStrategy checkpoint (no {', '.join(missing)}); checkpoints are "
+            "renamed into place only once complete, so this directory was not written by MegatronStrategy or "
+            "forge-convert hf-to-megatron"
+        )
+    meta = torch.load(path / META_FILE, map_location="cpu", weights_only=True)
+    info = meta.get(INFO_KEY, {})
+    if info.get("format") != FORMAT or info.get("version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"{path}/{META_FILE} has format {info.get('format')!r} version {info.get('version')!r}; this "
+            f"forge-lightning reads {FORMAT!r} up to version {FORMAT_VERSION}"
+        )
+    return meta
+
+
+def check_tensors(path: Path, template: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming the tensors of ``template`` that the checkpoint lacks or holds in another shape.
+
+    megatron-core lets the embedding and output layer load with a different vocabulary size (it pads them); here
+    every global shape must match, so a checkpoint of another model never loads silently.
+    """
+    from megatron.core import dist_checkpointing
+
+    stored = dist_checkpointing.load_tensors_metadata(str(path))
+    missing, mismatched = [], []
+    for tensor in _sharded_tensors(template):
+        if tensor.key not in stored:
+            missing.append(tensor.key)
+        elif tuple(stored[tensor.key].global_shape) != tuple(tensor.global_shape):
+            saved = tuple(stored[tensor.key].global_shape)
+            mismatched.append(f"{tensor.key}: checkpoint {saved}, this run {tuple(tensor.global_shape)}")
+    if mismatched:
+        raise ValueError(
+            f"{path} holds tensors of another shape than this model's (global shapes, layers stacked first):\n  "
+            + "\n  ".join(sorted(set(mismatched)))
+            + f"\nResume with the model config the checkpoint was written with ({path / CONFIG_FILE})."
+        )
+    if missing:
+        weights_only = all(key.startswith("optimizer.") for key in missing)
+        hint = (
+            "it holds no optimizer state (a weights-only checkpoint): to train from its weights, convert it with "
+            "forge-convert megatron-to-hf and pass the directory as model.init_args.pretrained"
+            if weights_only
+            else "it was written for another model or optimizer"
+        )
+        raise ValueError(
+            f"{path} lacks {len(missing)} tensors this run needs ({sorted(set(missing))[:4]} ...): {hint}"
+        )
+
+
+def check_model_config(path: Path, config: LLMConfig) -> None:
+    """Raise ``ValueError`` naming every architecture field on which the checkpoint's model differs from ``config``."""
+    from forge_lightning.modules.llm.hf import check_compatible
+
+    try:
+        check_compatible(config, LLMConfig.load(read_hf_config(path)))
+    except ValueError as err:
+        raise ValueError(
+            f"{path} was written for another model: {err}\nResume with the model config the checkpoint was "
+            f"written with ({path / CONFIG_FILE}), or start a new run"
+        ) from err
+
+
+def check_optimizer_kind(path: Path, meta: Mapping[str, Any], kind: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` when the checkpoint's optimizer was of another kind (distributed or not, precision)."""
+    saved = meta.get(INFO_KEY, {}).get("optimizer")
+    if saved is None or dict(saved) == dict(kind):
+        return
+    raise ValueError(
+        f"{path} was written with optimizer {dict(saved)}, this run has {dict(kind)}: megatron-core stores the "
+        "distributed and the plain optimizer (and fp32 / bf16 main weights) differently; resume with the "
+        "checkpoint's use_distributed_optimizer and trainer.precision"
+    )
+
+
+def describe_layout(meta: Mapping[str, Any]) -> str:
+    """``written at TP=2 PP=1 VPP=1 DP=1 by 2 processes`` from a checkpoint's ``meta.pt``."""
+    info = meta.get(INFO_KEY, {})
+    layout = info.get("layout") or {}
+    if not layout:
+        return "layout unknown"
+    degrees = [
+        f"TP={layout.get('tensor_model_parallel_size', 1)}",
+        f"PP={layout.get('pipeline_model_parallel_size', 1)}",
+        f"VPP={layout.get('virtual_pipeline_model_parallel_size') or 1}",
+        f"DP={layout.get('data_parallel_size', 1)}",
+    ]
+    return f"written at {' '.join(degrees)} by {info.get('world_size', '?')} processes"
+
+
+# ----------------------------------------------------------------------------------------------- the I/O plugin
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _on_rank_zero(fn: Callable[[], None], what: str) -> None:
+    """Run ``fn`` on global rank 0 only; if it fails, every rank raises (none waits for it forever)."""
+    distributed = dist.is_available() and dist.is_initialized()
+    error: BaseException | None = None
+    if not distributed or dist.get_rank() == 0:
+        try:
+            fn()
+        except Exception as err:  # re-raised below, on this rank and (as a message) on the others
+            error = err
+    message = [f"{type(error).__name__}: {error}" if error is not None else None]
+    if distributed:
+        dist.broadcast_object_list(message, src=0)
+    if error is not None:
+        raise error
+    if message[0] is not None:
+        raise RuntimeError(f"global rank 0 failed to {what}: {message[0]}")
+
+
+def _fresh_directory(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)  # left by a crashed save
+    path.mkdir(parents=True)
+
+
+def _move_into_place(tmp: Path, path: Path) -> None:
+    """Rename the finished ``tmp`` directory to ``path``, replacing an older checkpoint of that name."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old)
+    else:
+        os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+class MegatronCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` writing megatron-core dist-checkpoints atomically (see the module docstring).
+
+    Saving and loading are collective: every rank calls them. ``save_checkpoint`` takes Lightning's checkpoint
+    dict whose ``state_dict`` entry is the sharded state dict of the model chunks and optimizer; ``hf_config``,
+    if present, is written as ``config.json``; everything else goes to ``meta.pt``.
+    """
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None
+    ) -> None:
+        from megatron.core import dist_checkpointing
+
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        checkpoint = dict(checkpoint)
+        sharded = checkpoint.pop(SHARDED_KEY)
+        hf_config = checkpoint.pop(HF_CONFIG_KEY, None)
+        checkpoint[SHARDED_KEY] = {}  # Lightning expects the key; the weights are in the dist-checkpoint
+        checkpoint[INFO_KEY] = {**checkpoint.get(INFO_KEY, {}), "format": FORMAT, "version": FORMAT_VERSION}
+        _on_rank_zero(lambda: _fresh_directory(tmp), f"create {tmp}")
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=("torch_dist", 1))
+
+        def write_meta() -> None:
+            atomic_torch_save(checkpoint, tmp / META_FILE)
+            if hf_config is not None:
+                (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+
+        _on_rank_zero(write_meta, f"write {tmp / META_FILE}")
+        _on_rank_zero(lambda: _move_into_place(tmp, path), f"rename {tmp} to {path}")
+
+    @override
+    def load_checkpoint(
+        self,
+        path: Any,
+        map_location: Any | None = None,
+        weights_only: bool | None = None,
+        *,
+        sharded_state_dict: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Lightning's state from ``meta.pt``; with a ``sharded_state_dict`` template, also the tensors it names.
+
+        Args:
+            path: the checkpoint directory.
+            map_location: unused (tensors load onto the template's devices).
+            weights_only: unused: ``meta.pt`` always loads with ``weights_only=True``.
+            sharded_state_dict: what to load (see :func:`sharded_state_dict` with ``is_loading=True``); its
+                tensors are checked against the checkpoint first. The result's ``state_dict`` holds them.
+        """
+        from megatron.core import dist_checkpointing
+
+        path = Path(path)
+        meta = check_is_checkpoint(path)
+        if sharded_state_dict is not None:
+            check_tensors(path, sharded_state_dict)
+            meta[SHARDED_KEY] = dist_checkpointing.load(sharded_state_dict, str(path))
+        return meta
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        path = Path(path)
+        if path.is_symlink() or path.is_file():  # e.g. ModelCheckpoint's link to the last checkpoint
+            path.unlink()
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def read_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The Hugging Face ``config.json`` stored in a checkpoint directory."""
+    file = Path(path) / CONFIG_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"no {CONFIG_FILE} in {path}: not a MegatronStrategy / forge-convert checkpoint"
+        )
+    return json.loads(file.read_text())
