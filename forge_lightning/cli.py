@@ -77,7 +77,16 @@ class ForgeCLI(LightningCLI):
 
 
 def _accepts_checkpoint_io(strategy: Any) -> bool:
-    """Strategies that write sharded checkpoints own their I/O; the rest take the default plugin."""
+    """Strategies that write sharded checkpoints own their I/O; the rest take the default plugin.
+
+    ``strategy`` is an instance, or a registered short name (``fsdp2``, ``megatron``...) resolved through
+    Lightning's strategy registry.
+    """
+    if isinstance(strategy, str):
+        from lightning.pytorch.strategies import StrategyRegistry
+
+        name = strategy.lower()
+        strategy = StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
     return not getattr(strategy, "owns_checkpoint_io", False)
 
 

@@ -178,3 +178,13 @@ def test_two_process_ddp_matches_one_process(tiny_corpus, tmp_path):
     assert sorted(one) == sorted(two) == [0, 1, 2, 3]
     for step in one:
         assert two[step] == pytest.approx(one[step], rel=1e-5, abs=1e-6)
+
+
+def test_registered_short_names_of_strategies_that_own_their_checkpoints_get_no_default_plugin():
+    import forge_lightning.strategies  # noqa: F401  (registers the short names)
+    from forge_lightning.cli import _accepts_checkpoint_io
+
+    assert not _accepts_checkpoint_io("fsdp2") and not _accepts_checkpoint_io("megatron")
+    assert (
+        _accepts_checkpoint_io("ddp_fp8") and _accepts_checkpoint_io("auto") and _accepts_checkpoint_io(None)
+    )

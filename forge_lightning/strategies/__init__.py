@@ -21,6 +21,9 @@ def _megatron_strategy(**kwargs: object) -> object:
     return MegatronStrategy(**kwargs)
 
 
+_megatron_strategy.owns_checkpoint_io = True  # as MegatronStrategy (read without importing megatron-core)
+
+
 def _register() -> None:
     entries = [
         ("fsdp2", FSDP2Strategy, "FSDP2 (fully_shard) from the module's parallel plan", {}),
