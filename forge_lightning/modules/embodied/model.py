@@ -166,12 +166,14 @@ class Pi05(nn.Module):
     def sample_noise(self, batch_size: int, *, device: torch.device | str | None = None) -> Tensor:
         """Standard normal ``[B, chunk_size, max_action_dim]`` fp32 noise."""
         c = self.config
-        return torch.randn(batch_size, c.chunk_size, c.max_action_dim, device=device)
+        return torch.randn(batch_size, c.chunk_size, c.max_action_dim, device=device, dtype=torch.float32)
 
     def sample_time(self, batch_size: int, *, device: torch.device | str | None = None) -> Tensor:
         """Training flow times ``Beta(alpha, beta) * time_scale + time_offset`` ``[B]`` (fp32)."""
         c = self.config
-        beta = torch.distributions.Beta(torch.tensor(c.time_beta_alpha), torch.tensor(c.time_beta_beta))
+        # Explicit fp32: under a bf16 default dtype (`bf16-true`) the Beta sampler has no kernel.
+        alpha = torch.tensor(c.time_beta_alpha, dtype=torch.float32)
+        beta = torch.distributions.Beta(alpha, torch.tensor(c.time_beta_beta, dtype=torch.float32))
         return (beta.sample((batch_size,)) * c.time_scale + c.time_offset).to(device)
 
     def unused_parameters(self) -> list[nn.Parameter]:
