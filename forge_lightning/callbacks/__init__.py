@@ -1,5 +1,6 @@
-"""Callbacks: throughput and MFU, text samples, Hugging Face export, validation summaries."""
+"""Callbacks: throughput and MFU, text samples, Hugging Face export, validation summaries, closed-loop evaluation."""
 
+from forge_lightning.callbacks.closed_loop import ClosedLoopEval
 from forge_lightning.callbacks.exact_match import GenerationMetric
 from forge_lightning.callbacks.export import HFExport
 from forge_lightning.callbacks.generation import TextPredictionWriter, TextSample
@@ -7,6 +8,7 @@ from forge_lightning.callbacks.throughput import ThroughputMonitor
 from forge_lightning.callbacks.validation import ValidationSummary
 
 __all__ = [
+    "ClosedLoopEval",
     "GenerationMetric",
     "HFExport",
     "TextPredictionWriter",
