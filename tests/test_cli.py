@@ -73,7 +73,10 @@ def test_unknown_keys_and_wrong_types_fail_before_work(args, message, capsys):
 
 
 def _forge(args, cwd, env_extra=None):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env_extra or {})}
+    # Inherited W&B variables (e.g. the service address an in-process run of another test left behind) would
+    # send this run's records to that service and its directory.
+    inherited = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env = {**inherited, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline", **(env_extra or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "forge_lightning", *args],
         cwd=cwd,

@@ -75,6 +75,9 @@ def run(reach_data, tmp_path_factory) -> dict:
         )
         trainer.fit(policy, datamodule)
         wandb.experiment.finish()
+        import wandb as wandb_sdk
+
+        wandb_sdk.teardown()  # stop the W&B service this process started, so no later test inherits it
     config = root / "run.yaml"
     config.write_text(yaml.safe_dump(_run_config(reach_data)))
     return {
