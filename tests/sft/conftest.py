@@ -4,22 +4,12 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny import TINY_LLM
 
 from forge_lightning.datamodules.chat import add_chat_template
 from forge_lightning.datamodules.tokenizer import load_tokenizer, train_bpe_tokenizer
 
-TINY = {
-    "model_type": "llama",
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": True,
-}
+TINY = TINY_LLM  # the shared tiny Llama config (tests/tiny.py)
 
 _WORDS = (
     "the user asks a question and the assistant answers it with a short reply about weather, numbers, "
