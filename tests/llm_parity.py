@@ -37,3 +37,13 @@ def assert_matches_transformers(model, hf_model, input_ids: torch.Tensor, label:
         # ||g - g_hf||_2 / ||g_hf||_2 per parameter tensor.
         rel = (grads[name] - hf_grad).norm() / hf_grad.norm()
         assert rel.item() <= 1e-4, f"{label} {name}: relative gradient error {rel.item():.2e}"
+
+
+def randomize_weights(model: torch.nn.Module, weight_std: float) -> None:
+    """Redraw every parameter so each one matters: norms around 1, biases N(0, 0.2), weights N(0, weight_std)."""
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.copy_(1 + 0.3 * torch.randn_like(param))
+            else:
+                param.normal_(0.0, 0.2 if name.endswith("bias") else weight_std)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from llm_parity import assert_matches_transformers, load_forge
+from llm_parity import assert_matches_transformers, load_forge, randomize_weights
 from safetensors.torch import load_file, save_file
 
 from forge_lightning.modules.llm import (
@@ -101,12 +101,7 @@ def build_hf(variant: str, seed: int = 0) -> transformers.PreTrainedModel:
     model = transformers.AutoModelForCausalLM.from_config(
         config_cls(**_BASE, **overrides), attn_implementation="eager"
     )
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.3 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.2 if name.endswith("bias") else 0.08)
+    randomize_weights(model, 0.08)
     return model
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 import transformers
 from lightning.pytorch import Callback, Trainer
-from llm_parity import assert_matches_transformers, load_forge, shifted_ce
+from llm_parity import assert_matches_transformers, load_forge, randomize_weights, shifted_ce
 from safetensors.torch import load_file, save_file
 from torch.utils.data import DataLoader
 
@@ -116,12 +116,8 @@ def build_hf(variant: str, seed: int = 0) -> transformers.PreTrainedModel:
     model = transformers.AutoModelForCausalLM.from_config(
         config_cls(**_BASE, **overrides), attn_implementation="eager"
     )
+    randomize_weights(model, 0.1)
     with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1 + 0.3 * torch.randn_like(param))
-            else:
-                param.normal_(0.0, 0.2 if name.endswith("bias") else 0.1)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.1)
