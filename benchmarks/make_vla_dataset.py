@@ -31,7 +31,6 @@ import time
 from collections import deque
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -149,67 +148,6 @@ def features(size: int, state_dim: int, action_dim: int) -> dict[str, dict[str, 
     }
 
 
-def _histogram_image_stats(values: np.ndarray, original: Any) -> dict[str, np.ndarray]:
-    """The writer's camera stats (``feature_stats(values, image=True)``) from per-channel 256-bin histograms.
-
-    ``values`` are uint8 frames divided by 255 ``[T, C, H, W]``, so every statistic follows from the counts:
-    min / max, count-weighted mean and (population) std, and numpy's linear-interpolation quantiles read off
-    the cumulative counts (the two order statistics around ``q * (n - 1)``).
-    """
-    from forge_lightning.datamodules.lerobot.stats import QUANTILES, quantile_name
-
-    probe = values[:, :, ::7, ::5]
-    if not np.array_equal(np.floor(probe * 255.0 + 0.5) / 255.0, probe):  # not uint8 / 255: the writer's path
-        return original(values, image=True)
-    # [T, C, H, W] is a transposed view of the writer's [T, H, W, C] frames: work channels-last, in place.
-    scaled_THWC = values.transpose(0, 2, 3, 1) * 255.0
-    scaled_THWC += 0.5
-    codes_THWC = scaled_THWC.astype(np.uint8)  # round half up, exact for k / 255
-    del scaled_THWC
-    levels = np.arange(256) / 255.0
-    channels = [np.bincount(codes_THWC[..., c].ravel(), minlength=256) for c in range(codes_THWC.shape[-1])]
-    stats: dict[str, list[float]] = {"min": [], "max": [], "mean": [], "std": []}
-    stats |= {quantile_name(q): [] for q in QUANTILES}
-    for counts in channels:
-        present = np.nonzero(counts)[0]
-        n, mean = counts.sum(), (counts * levels).sum() / counts.sum()
-        stats["min"].append(levels[present[0]])
-        stats["max"].append(levels[present[-1]])
-        stats["mean"].append(mean)
-        stats["std"].append(np.sqrt((counts * (levels - mean) ** 2).sum() / n))
-        cumulative = np.cumsum(counts)
-        for q in QUANTILES:
-            position = q * (n - 1)
-            below = int(np.floor(position))
-            low, high = np.searchsorted(cumulative, [below + 1, min(below + 2, n)])
-            stats[quantile_name(q)].append(levels[low] + (position - below) * (levels[high] - levels[low]))
-    result = {name: np.asarray(v, dtype=np.float64)[:, None, None] for name, v in stats.items()}
-    result["count"] = np.array([values.shape[0]])
-    return result
-
-
-@contextmanager
-def histogram_camera_stats() -> Iterator[None]:
-    """While active, ``LeRobotWriter`` computes camera stats from histograms (same values, ~30x faster).
-
-    The writer computes each camera's per-episode stats over every float64 pixel: ~10 s per camera and episode
-    at 300 x 224^2, 17 minutes for the default dataset, longer than the rest of the generation. The swap is
-    scoped to this script's ``with`` block; numeric features keep the writer's own function.
-    """
-    from forge_lightning.datamodules.lerobot import writer as writer_module
-
-    original = writer_module.feature_stats
-
-    def stats(values: np.ndarray, *, image: bool = False) -> dict[str, np.ndarray]:
-        return _histogram_image_stats(values, original) if image else original(values)
-
-    writer_module.feature_stats = stats
-    try:
-        yield
-    finally:
-        writer_module.feature_stats = original
-
-
 def _episodes(jobs: list[tuple[int, ...]], workers: int) -> Iterator[dict[str, np.ndarray]]:
     """Rendered episodes in order, at most ``2 * workers`` rendered ahead of the writer."""
     with ProcessPoolExecutor(max_workers=workers) as pool:
@@ -241,16 +179,13 @@ def write_dataset(args: argparse.Namespace) -> Path:
         for e in range(args.episodes)
     ]
     start = time.perf_counter()
-    with histogram_camera_stats():
-        for episode, data in enumerate(_episodes(jobs, args.workers)):
-            for t in range(args.frames):
-                frame: Mapping[str, Any] = {key: data[key][t] for key in (*CAMERAS, STATE_KEY, ACTION_KEY)}
-                writer.add_frame(frame, task=TASK)
-            writer.save_episode()
-            if (episode + 1) % 10 == 0 or episode + 1 == args.episodes:
-                print(
-                    f"episode {episode + 1}/{args.episodes} ({time.perf_counter() - start:.0f} s)", flush=True
-                )
+    for episode, data in enumerate(_episodes(jobs, args.workers)):
+        for t in range(args.frames):
+            frame: Mapping[str, Any] = {key: data[key][t] for key in (*CAMERAS, STATE_KEY, ACTION_KEY)}
+            writer.add_frame(frame, task=TASK)
+        writer.save_episode()
+        if (episode + 1) % 10 == 0 or episode + 1 == args.episodes:
+            print(f"episode {episode + 1}/{args.episodes} ({time.perf_counter() - start:.0f} s)", flush=True)
     return writer.finalize()
 
 

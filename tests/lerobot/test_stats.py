@@ -1,4 +1,5 @@
-"""Stats (loaded, aggregated, computed by ``forge-data lerobot-stats``) and normalisation against lerobot's."""
+"""Stats (loaded, aggregated, computed by ``forge-data lerobot-stats``, written by ``LeRobotWriter``) and
+normalisation against lerobot's; histogram camera stats against a float64 reference."""
 
 from __future__ import annotations
 
@@ -8,7 +9,16 @@ import numpy as np
 import pytest
 import torch
 
-from forge_lightning.datamodules.lerobot import LeRobotDataset, LeRobotMeta, Normalizer
+from forge_lightning.datamodules.lerobot import (
+    LeRobotDataset,
+    LeRobotMeta,
+    LeRobotWriter,
+    Normalizer,
+    aggregate_stats,
+    feature_stats,
+    image_stats,
+)
+from forge_lightning.datamodules.lerobot.meta import read_parquet
 from forge_lightning.tools.lerobot_data import add_commands
 
 CAMERA = "observation.images.cam"
@@ -120,3 +130,74 @@ def test_normalisation_without_stats_names_the_command(copy_of):
     (root / "meta" / "stats.json").unlink()
     with pytest.raises(ValueError, match="forge-data lerobot-stats"):
         LeRobotDataset(root, normalization={"action": "mean_std"})
+
+
+def _exact_image_stats(frames_THWC: np.ndarray) -> dict[str, np.ndarray]:
+    """The float64 reference: every pixel as a float in [0, 1], numpy reductions and quantiles."""
+    return feature_stats(frames_THWC.transpose(0, 3, 1, 2) / 255.0, image=True)
+
+
+@pytest.mark.parametrize(
+    ("shape", "values"),
+    [
+        ((1, 1, 1, 3), None),  # one pixel: every quantile is that pixel
+        ((2, 3, 5, 3), None),  # fewer pixels than quantile steps: interpolation between neighbours
+        ((12, 17, 9, 3), None),
+        ((9, 16, 16, 3), (0, 85, 170, 255)),  # four levels: long runs of ties around every quantile
+        ((4, 8, 8, 1), (77,)),  # a constant channel
+    ],
+)
+def test_histogram_image_stats_equal_float64_reference(shape, values):
+    """``image_stats`` (256-bin histograms) gives the float64 pass's values: every stat within 1e-12."""
+    rng = np.random.default_rng(sum(shape))
+    frames = rng.choice(np.arange(256) if values is None else np.array(values), shape).astype(np.uint8)
+    ours, exact = image_stats(frames), _exact_image_stats(frames)
+    assert (
+        set(ours) == set(exact) == {"min", "max", "mean", "std", "count", "q01", "q10", "q50", "q90", "q99"}
+    )
+    for name, value in exact.items():
+        assert ours[name].shape == value.shape, name
+        np.testing.assert_allclose(ours[name], value, rtol=0, atol=1e-12, err_msg=name)
+    channels_first = image_stats(np.ascontiguousarray(frames.transpose(0, 3, 1, 2)), channel_axis=1)
+    for name, value in ours.items():
+        np.testing.assert_array_equal(channels_first[name], value, err_msg=name)
+
+
+def test_histogram_image_stats_are_exact_on_large_episodes():
+    """On 40 x 64 x 64 x 3 frames the mean equals the integer sum's to 1e-15; numpy's float64 pass drifts more."""
+    frames = np.random.default_rng(0).integers(0, 256, (40, 64, 64, 3), dtype=np.uint8)
+    ours, exact = image_stats(frames), _exact_image_stats(frames)
+    integer_mean = frames.reshape(-1, 3).sum(axis=0, dtype=np.int64) / (frames.size // 3) / 255.0
+    np.testing.assert_allclose(ours["mean"].ravel(), integer_mean, rtol=0, atol=1e-15)
+    for name, value in exact.items():
+        np.testing.assert_allclose(ours[name], value, rtol=0, atol=1e-12, err_msg=name)
+    with pytest.raises(TypeError, match="uint8"):
+        image_stats(frames / 255.0)
+
+
+def test_writer_camera_stats_equal_float64_reference(tmp_path):
+    """The writer's per-episode and dataset camera stats (parquet columns, stats.json) match the float64 pass."""
+    rng = np.random.default_rng(1)
+    camera = {"dtype": "video", "shape": (32, 32, 3), "names": ["height", "width", "channels"]}
+    writer = LeRobotWriter(
+        tmp_path / "ds",
+        fps=10,
+        features={CAMERA: camera, "action": {"dtype": "float32", "shape": (2,)}},
+        codec="libx264",
+    )
+    episodes = [rng.integers(0, 256, (length, 32, 32, 3), dtype=np.uint8) for length in (5, 8)]
+    for frames in episodes:
+        for image in frames:
+            writer.add_frame({CAMERA: image, "action": rng.normal(size=2)}, task="push")
+        writer.save_episode()
+    root = writer.finalize()
+    expected = [_exact_image_stats(frames) for frames in episodes]
+    meta = LeRobotMeta(root)
+    for name, value in aggregate_stats([{CAMERA: e} for e in expected])[CAMERA].items():
+        np.testing.assert_allclose(np.asarray(meta.stats[CAMERA][name]), value, rtol=0, atol=1e-12)
+    table = read_parquet(next((root / "meta" / "episodes").rglob("*.parquet"))).to_pydict()
+    for e, stats in enumerate(expected):
+        for name, value in stats.items():
+            np.testing.assert_allclose(
+                np.asarray(table[f"stats/{CAMERA}/{name}"][e]), value, rtol=0, atol=1e-12
+            )

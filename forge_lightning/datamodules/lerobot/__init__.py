@@ -1,4 +1,5 @@
-"""LeRobot datasets (v2.0 / v2.1 / v3.0) without the lerobot package: reader, stats, writer, data module.
+"""LeRobot datasets (v2.0 / v2.1 / v3.0) without the lerobot package: reader, stats, writer, data module,
+camera augmentation on the device.
 
 Public names are imported lazily so that data tools (``forge-data lerobot-stats``) start without Lightning.
 """
@@ -9,6 +10,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "ImageAugmentConfig": "augment",
     "LeRobotDataConfig": "datamodule",
     "LeRobotDataModule": "datamodule",
     "split_episodes": "datamodule",
@@ -19,11 +21,13 @@ _EXPORTS = {
     "Normalizer": "stats",
     "aggregate_stats": "stats",
     "feature_stats": "stats",
+    "image_stats": "stats",
     "LeRobotWriter": "writer",
 }
 
 __all__ = [
     "SUPPORTED_VERSIONS",
+    "ImageAugmentConfig",
     "LeRobotDataConfig",
     "LeRobotDataModule",
     "LeRobotDataset",
@@ -33,10 +37,12 @@ __all__ = [
     "Normalizer",
     "aggregate_stats",
     "feature_stats",
+    "image_stats",
     "split_episodes",
 ]
 
 if TYPE_CHECKING:
+    from forge_lightning.datamodules.lerobot.augment import ImageAugmentConfig
     from forge_lightning.datamodules.lerobot.datamodule import (
         LeRobotDataConfig,
         LeRobotDataModule,
@@ -44,7 +50,12 @@ if TYPE_CHECKING:
     )
     from forge_lightning.datamodules.lerobot.dataset import LeRobotDataset
     from forge_lightning.datamodules.lerobot.meta import SUPPORTED_VERSIONS, LeRobotFormatError, LeRobotMeta
-    from forge_lightning.datamodules.lerobot.stats import Normalizer, aggregate_stats, feature_stats
+    from forge_lightning.datamodules.lerobot.stats import (
+        Normalizer,
+        aggregate_stats,
+        feature_stats,
+        image_stats,
+    )
     from forge_lightning.datamodules.lerobot.writer import LeRobotWriter
 
 

@@ -20,6 +20,7 @@ from forge_lightning.datamodules.lerobot.meta import LeRobotMeta, read_parquet
 from forge_lightning.datamodules.lerobot.stats import (
     aggregate_stats,
     feature_stats,
+    image_stats,
     to_jsonable,
     write_stats_json,
 )
@@ -44,8 +45,8 @@ def compute_episode_stats(meta: LeRobotMeta, *, video_backend: str = "pyav") -> 
             for key in meta.video_keys:
                 name, start_s = episode.videos[key]
                 frames = [round((start_s + float(t)) * meta.fps) for t in columns["timestamp"][rows]]
-                pixels = videos.frames(meta.root / name, frames, meta.fps).numpy() / 255.0
-                stats[key] = feature_stats(pixels, image=True)
+                pixels = videos.frames(meta.root / name, frames, meta.fps).numpy()  # [T, 3, H, W] uint8
+                stats[key] = image_stats(pixels, channel_axis=1)
             result[e] = stats
     finally:
         videos.close()

@@ -1,14 +1,18 @@
 """``LeRobotDataModule``: one or several LeRobot datasets, split by episode, mixed by weight, resumable.
 
-root A ──split episodes──> train A ─┐                         ┌─> StepLoader (train, resumable)
-root B ──split episodes──> train B ─┴─ BlendedDataset(weights) ┘
-                           val A, val B ──── ConcatDataset ────> ShardedLoader (validation)
+root A ──split episodes──> train A ─┐                         ┌─> StepLoader (train, resumable) ─┐
+root B ──split episodes──> train B ─┴─ BlendedDataset(weights) ┘                                  ├─> device ─> cameras
+                           val A, val B ──── ConcatDataset ────> ShardedLoader (validation) ──────┘
+
+cameras (``on_after_batch_transfer``, on the batch's device): resized to ``image_size`` in every stage,
+augmented (``augment``) in training only.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 from lightning.pytorch.utilities import rank_zero_info
@@ -17,6 +21,12 @@ from typing_extensions import override
 
 from forge_lightning.datamodules.base import StepDataModule
 from forge_lightning.datamodules.gpt_dataset import BlendedDataset
+from forge_lightning.datamodules.lerobot.augment import (
+    ImageAugment,
+    ImageAugmentConfig,
+    rank_seed,
+    resize_frames,
+)
 from forge_lightning.datamodules.lerobot.dataset import LeRobotDataset
 from forge_lightning.datamodules.lerobot.meta import LeRobotMeta
 from forge_lightning.datamodules.lerobot.video import VIDEO_BACKENDS
@@ -53,6 +63,8 @@ class LeRobotDataConfig:
         val_fraction: fraction of each dataset's episodes held out for validation.
         num_train_samples: training samples per epoch (default: all training frames).
         video_backend: ``pyav`` or ``torchcodec``.
+        image_size: resize camera frames on the device to ``[height, width]`` in every stage (default: as stored).
+        augment: train-time camera augmentation (a dict of :class:`ImageAugmentConfig` options is accepted).
     """
 
     roots: list[str]
@@ -62,6 +74,8 @@ class LeRobotDataConfig:
     val_fraction: float = 0.0
     num_train_samples: int | None = None
     video_backend: str = "pyav"
+    image_size: list[int] | None = None
+    augment: ImageAugmentConfig = field(default_factory=ImageAugmentConfig)
 
     def __post_init__(self) -> None:
         if not self.roots:
@@ -76,13 +90,19 @@ class LeRobotDataConfig:
             raise ValueError(f"num_train_samples ({self.num_train_samples}) must be positive")
         if self.video_backend not in VIDEO_BACKENDS:
             raise ValueError(f"video_backend ({self.video_backend!r}) must be one of {VIDEO_BACKENDS}")
+        if self.image_size is not None and (len(self.image_size) != 2 or min(self.image_size) < 1):
+            raise ValueError(f"image_size ({self.image_size}) must be [height, width], both positive")
+        if isinstance(self.augment, Mapping):
+            self.augment = ImageAugmentConfig.from_dict(self.augment)
 
 
 class LeRobotDataModule(StepDataModule):
     """Training / validation frames from LeRobot datasets, resumable mid-epoch.
 
     The training loader is a :class:`StepLoader`, whose ``state_dict`` Lightning saves in checkpoints, so a
-    resumed run sees exactly the frames the uninterrupted run would have seen.
+    resumed run sees exactly the frames the uninterrupted run would have seen. Camera frames are resized and
+    augmented in ``on_after_batch_transfer``, on the device the batch was copied to (the augmentation generator's
+    state is saved with the data module's).
 
     Args:
         roots: dataset root or roots.
@@ -96,6 +116,10 @@ class LeRobotDataModule(StepDataModule):
         num_workers: DataLoader workers per rank (each opens its own video decoders).
         pin_memory: pin host memory (useful on CUDA).
         video_backend: ``pyav`` or ``torchcodec``.
+        image_size: resize camera frames on the device to ``[height, width]`` (bilinear, antialiased) in every
+            stage (default: as stored).
+        augment: train-time camera augmentation on the device, off by default (:class:`ImageAugmentConfig` or a
+            dict of its options).
     """
 
     label_key = None  # samples are frames and actions: no token labels to count
@@ -114,6 +138,8 @@ class LeRobotDataModule(StepDataModule):
         num_workers: int = 2,
         pin_memory: bool = True,
         video_backend: str = "pyav",
+        image_size: list[int] | None = None,
+        augment: ImageAugmentConfig | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, num_workers=num_workers, pin_memory=pin_memory)
         self.config = LeRobotDataConfig(
@@ -124,7 +150,12 @@ class LeRobotDataModule(StepDataModule):
             val_fraction=val_fraction,
             num_train_samples=num_train_samples,
             video_backend=video_backend,
+            image_size=None if image_size is None else list(image_size),
+            augment=ImageAugmentConfig() if augment is None else augment,
         )
+        self.camera_keys: list[str] = []
+        self.augmenter: ImageAugment | None = None
+        self._augment_state: dict[str, Any] = {}
 
     def _open(self, root: str, episodes: list[int]) -> LeRobotDataset:
         return LeRobotDataset(
@@ -146,6 +177,8 @@ class LeRobotDataModule(StepDataModule):
             trains.append(self._open(root, train))
             if val:
                 vals.append(self._open(root, val))
+        self.camera_keys = sorted({key for d in trains for key in d.meta.video_keys})
+        self._setup_augment()
         self.train_dataset = self._mix(trains)
         self.val_dataset = ConcatDataset(vals) if vals else None
         rank_zero_info(
@@ -160,3 +193,48 @@ class LeRobotDataModule(StepDataModule):
         weights = self.config.weights or [float(len(p)) for p in parts]
         total = self.config.num_train_samples or sum(len(p) for p in parts)
         return BlendedDataset(parts, weights, total, seed=self.seed)
+
+    def _setup_augment(self) -> None:
+        augment = self.config.augment
+        unknown = sorted(set(augment.cameras or ()) - set(self.camera_keys))
+        if unknown:
+            raise ValueError(f"augment.cameras {unknown} are not cameras of the datasets: {self.camera_keys}")
+        if not augment.enable:
+            return
+        normalization = self.config.normalization
+        normalized = [k for k in self.camera_keys if normalization.get(k, "identity") != "identity"]
+        if normalized:
+            raise ValueError(
+                f"augment needs camera frames in [0, 1], but normalization maps {normalized}: leave cameras "
+                "unnormalised (the model normalises them) or disable augment"
+            )
+        seed = self.seed if augment.seed is None else augment.seed  # one stream per data-parallel rank
+        self.augmenter = ImageAugment(augment, seed=rank_seed(seed, self._dp()[1]))
+        self.augmenter.load_state_dict(self._augment_state)
+
+    def transform_cameras(self, batch: dict[str, Any], *, training: bool) -> dict[str, Any]:
+        """Resizes the batch's camera frames to ``image_size`` and, when ``training``, augments them."""
+        cameras = self.config.augment.cameras
+        augmented = self.camera_keys if cameras is None else cameras
+        for key in [k for k in self.camera_keys if k in batch]:
+            if self.config.image_size is not None:
+                batch[key] = resize_frames(batch[key], self.config.image_size)
+            if training and self.augmenter is not None and key in augmented:
+                batch[key] = self.augmenter(batch[key])
+        return batch
+
+    @override
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        batch = super().on_after_batch_transfer(batch, dataloader_idx)
+        training = self.trainer is not None and self.trainer.training
+        return self.transform_cameras(batch, training=training) if isinstance(batch, dict) else batch
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"augment": self.augmenter.state_dict()} if self.augmenter is not None else {}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._augment_state = dict(state_dict.get("augment", {}))
+        if self.augmenter is not None:
+            self.augmenter.load_state_dict(self._augment_state)

@@ -2,7 +2,8 @@
 
 Stats follow LeRobot's layout: per feature, arrays of the feature's shape (cameras: per channel, ``(3, 1, 1)``,
 in ``[0, 1]`` pixel units) named ``min``, ``max``, ``mean``, ``std``, ``count`` and ``q01`` ... ``q99``.
-Per-episode stats are exact (quantiles by linear interpolation); several episodes are aggregated the way
+Per-episode stats are exact (quantiles by linear interpolation; camera stats of uint8 frames from per-channel
+256-bin histograms, :func:`image_stats`); several episodes are aggregated the way
 LeRobot does (count-weighted means, the parallel variance formula, count-weighted quantiles), so a v2.1
 dataset's per-episode stats give the same dataset stats LeRobot computes.
 """
@@ -60,6 +61,67 @@ def feature_stats(values: np.ndarray, *, image: bool = False) -> dict[str, np.nd
         stats[quantile_name(q)] = np.quantile(values, q, axis=axes, keepdims=keep)
     if image:  # (1, C, 1, 1) -> (C, 1, 1)
         stats = {k: v[0] if k != "count" else v for k, v in stats.items()}
+    return stats
+
+
+def image_stats(frames: np.ndarray, *, channel_axis: int = -1) -> dict[str, np.ndarray]:
+    """Exact per-channel stats of one episode's uint8 frames, in ``[0, 1]`` pixel units, from 256-bin histograms.
+
+    The same values as ``feature_stats(frames / 255, image=True)`` (up to float64 rounding, ~1e-16) at a
+    fraction of its cost: one ``bincount`` per channel instead of float64 copies, reductions and sorts of every
+    pixel (~10 s per camera for 300 frames at 224x224). With ``counts[k]`` pixels at level ``k / 255``:
+    mean and (population) std are count-weighted sums over the 256 levels, min / max the first / last level
+    present, and quantile ``q`` interpolates linearly (numpy's default) between the order statistics
+    ``floor(q (n - 1))`` and the next one, read off the cumulative counts.
+
+    Args:
+        frames: uint8 frames ``(frames, ..., channels, ...)``, e.g. ``(T, H, W, C)`` or ``(T, C, H, W)``.
+        channel_axis: the axis of ``frames`` holding the channels.
+
+    Returns:
+        ``min``, ``max``, ``mean``, ``std``, the ``QUANTILES`` (each ``(channels, 1, 1)``) and ``count``
+        (frames), as :func:`feature_stats` gives them.
+
+    Raises:
+        TypeError: If ``frames`` is not uint8.
+    """
+    if frames.dtype != np.uint8:
+        raise TypeError(
+            f"image_stats needs uint8 frames, got {frames.dtype}: use feature_stats(..., image=True)"
+        )
+    frames = np.moveaxis(frames, channel_axis, -1)
+    counts_CL = np.stack(
+        [np.bincount(frames[..., c].ravel(), minlength=256) for c in range(frames.shape[-1])]
+    ).astype(np.float64)  # [channels, 256 levels]
+    stats = _histogram_stats(counts_CL, np.arange(256) / 255.0)
+    stats = {name: value[:, None, None] for name, value in stats.items()}
+    stats["count"] = np.array([frames.shape[0]])
+    return stats
+
+
+def _histogram_stats(counts_CL: np.ndarray, levels_L: np.ndarray) -> dict[str, np.ndarray]:
+    """Per-row stats of values given as counts per level (levels ascending); every row non-empty."""
+    n_C = counts_CL.sum(axis=1)
+    mean_C = counts_CL @ levels_L / n_C
+    variance_C = (counts_CL * (levels_L - mean_C[:, None]) ** 2).sum(axis=1) / n_C
+    present_CL = counts_CL > 0
+    last = len(levels_L) - 1
+    stats = {
+        "min": levels_L[present_CL.argmax(axis=1)],
+        "max": levels_L[last - present_CL[:, ::-1].argmax(axis=1)],
+        "mean": mean_C,
+        "std": np.sqrt(variance_C),
+    }
+    cumulative_CL = np.cumsum(counts_CL, axis=1)  # values at or below each level
+
+    def order_statistic(k_C: np.ndarray) -> np.ndarray:  # the k-th smallest value (0-based) of each row
+        return levels_L[(cumulative_CL <= k_C[:, None]).sum(axis=1)]
+
+    for q in QUANTILES:
+        position_C = q * (n_C - 1)
+        below_C = np.floor(position_C)
+        low_C, high_C = order_statistic(below_C), order_statistic(np.minimum(below_C + 1, n_C - 1))
+        stats[quantile_name(q)] = low_C + (position_C - below_C) * (high_C - low_C)
     return stats
 
 

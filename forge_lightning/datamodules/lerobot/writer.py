@@ -13,7 +13,12 @@ from typing import Any
 
 import numpy as np
 
-from forge_lightning.datamodules.lerobot.stats import aggregate_stats, feature_stats, write_stats_json
+from forge_lightning.datamodules.lerobot.stats import (
+    aggregate_stats,
+    feature_stats,
+    image_stats,
+    write_stats_json,
+)
 
 DEFAULT_FEATURES = {
     "timestamp": {"dtype": "float32", "shape": [1], "names": None},
@@ -95,7 +100,7 @@ class LeRobotWriter:
             stacked = np.stack([values[key] for values, _ in self._buffer])
             if key in self.video_keys:
                 self._encode(key, stacked)
-                stats[key] = feature_stats(stacked.transpose(0, 3, 1, 2) / 255.0, image=True)
+                stats[key] = image_stats(stacked)  # [T, H, W, 3] uint8: per-channel histograms
             else:
                 self._rows[key].extend(stacked)
                 stats[key] = feature_stats(stacked.reshape(length, -1))
