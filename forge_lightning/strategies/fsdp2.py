@@ -38,6 +38,7 @@ from forge_lightning.strategies.distributed_checkpoint import (
     load_distributed_checkpoint,
     save_distributed_checkpoint,
 )
+from forge_lightning.strategies.materialize import materialize_module
 
 _DTYPES = {
     "float32": torch.float32,
@@ -268,13 +269,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     # ----- applying the plan ------------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        from lightning.fabric.utilities.init import _materialize_distributed_module
         from lightning.fabric.utilities.optimizer import _optimizers_to_device
         from lightning.pytorch.trainer.states import TrainerFn
 
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
-        _materialize_distributed_module(self.model, self.root_device)
+        materialize_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._accumulate = trainer.accumulate_grad_batches
