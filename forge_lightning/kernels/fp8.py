@@ -1,7 +1,8 @@
 """FP8 quantize / dequantize with fp32 scales, for compressing communication payloads.
 
 The tensor is flattened (row-major) and cut into consecutive blocks of ``block`` elements (the last may be
-partial); each block gets one fp32 scale ``amax / fp8_max`` (1.0 for an all-zero block), and the payload is
+partial); each block gets one fp32 scale ``amax / fp8_max`` (1.0 for an all-zero block, at least the smallest
+normal fp32 so that a block of denormal values never divides by zero), and the payload is
 the saturating cast ``clamp(x / scale, -fp8_max, fp8_max).to(fp8)``. Two special granularities use the
 same layout: one scale for the whole tensor (``block=None``) and one scale per row of a 2-D tensor
 (``rowwise=True``, i.e. ``block = x.shape[1]``)::
@@ -31,6 +32,9 @@ from forge_lightning.kernels._dispatch import (
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _FUSED_MAX_BLOCK = 8192
+# Smallest normal fp32: the floor of a non-zero block's scale (amax / fp8_max underflows to 0 for amax < ~1e-42,
+# and x / 0 would turn the block into NaN); the Triton kernel spells the same value as a literal.
+FP32_TINY = torch.finfo(torch.float32).tiny
 _FUSED_ELEMENTS = 4096  # elements per program in the fused kernel (several small blocks per program)
 _TILE = 4096
 
@@ -56,7 +60,7 @@ def _check_fp8_dtype(dtype: torch.dtype) -> float:
 def _scales_from_amax(amax: torch.Tensor, fp8_max: float) -> torch.Tensor:
     # Divide by a tensor: CUDA torch turns division by a Python scalar into a multiplication by its
     # reciprocal, which can differ from the correctly rounded quotient that the Triton kernel computes.
-    quotient = amax / torch.full_like(amax, fp8_max)
+    quotient = (amax / torch.full_like(amax, fp8_max)).clamp_min(FP32_TINY)
     return torch.where(amax > 0, quotient, torch.ones_like(amax))
 
 
@@ -123,7 +127,7 @@ def _quantize_fused_kernel(
     mask = (blocks[:, None] < n_blocks) & (cols[None, :] < block) & (offs < numel)
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     amax = tl.reduce(tl.abs(x), 1, max_combine)
-    scale = tl.where(amax > 0, tl.math.div_rn(amax, fp8_max), 1.0)
+    scale = tl.where(amax > 0, tl.maximum(tl.math.div_rn(amax, fp8_max), 1.1754943508222875e-38), 1.0)
     q = tl.math.div_rn(x, scale[:, None])
     q = tl.minimum(tl.maximum(q, -fp8_max), fp8_max)
     tl.store(q_ptr + offs, q.to(q_ptr.dtype.element_ty), mask=mask)

@@ -30,7 +30,7 @@ def independent_quantize(x, block, fp8):
     for start in range(0, flat.numel(), block):
         chunk = flat[start : start + block]
         amax = chunk.abs().max()
-        scale = amax / fp8_max if amax > 0 else torch.tensor(1.0)
+        scale = (amax / fp8_max).clamp_min(torch.finfo(torch.float32).tiny) if amax > 0 else torch.tensor(1.0)
         payload.append((chunk / scale).clamp(-fp8_max, fp8_max).to(fp8))
         scales.append(scale)
     return torch.cat(payload), torch.stack(scales)
@@ -127,6 +127,20 @@ def test_triton_matches_reference(device, fp8, shape, block, rowwise):
         assert torch.equal(
             restored, dequantize_fp8_reference(want_payload, want_scales, size, x.shape, out_dtype)
         )
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_denormal_blocks_stay_finite(device, backend):
+    """A block whose amax / fp8_max underflows (amax below ~1e-42, e.g. a gradient of a rarely used embedding
+    row) gets the smallest normal fp32 as scale instead of 0: no division by zero, no NaN in the payload."""
+    x = torch.zeros(4 * 256, device=device)
+    x[3], x[256 + 7], x[512 + 9] = 1e-44, -3e-43, 2e-39  # blocks 0-2: denormal amax; block 3: all zero
+    payload, scales = quantize_fp8(x, 256, torch.float8_e4m3fn, backend=backend)
+    tiny = torch.finfo(torch.float32).tiny
+    assert torch.equal(scales.cpu(), torch.tensor([tiny, tiny, 2e-39 / 448, 1.0]).clamp_min(tiny))
+    restored = dequantize_fp8(payload, scales, 256, backend=backend)
+    assert torch.isfinite(restored).all()
+    assert (restored - x).abs().max() <= 2e-39 * 2.0**-4  # within e4m3 rounding of the largest value
 
 
 @pytest.mark.gpu
