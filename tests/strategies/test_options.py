@@ -91,6 +91,15 @@ def test_ddp_rejects_bad_hook_options(kwargs, message):
         strategies.DDPStrategy(**kwargs)
 
 
+def test_ddp_bucket_defaults_and_overrides():
+    """Gradients as bucket views and 100 MB buckets unless the YAML / caller says otherwise."""
+    assert strategies.DDPStrategy()._ddp_kwargs == {"gradient_as_bucket_view": True, "bucket_cap_mb": 100}
+    kwargs = strategies.DDPStrategy(
+        gradient_as_bucket_view=False, bucket_cap_mb=25, static_graph=True
+    )._ddp_kwargs
+    assert kwargs == {"gradient_as_bucket_view": False, "bucket_cap_mb": 25, "static_graph": True}
+
+
 def test_only_frozen_components_may_stay_unsharded():
     plan = ParallelPlan(
         components=[

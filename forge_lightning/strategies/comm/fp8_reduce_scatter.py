@@ -241,7 +241,11 @@ def fsdp_units(module: nn.Module) -> list[tuple[FSDPModule, Any]]:
     for sub in module.modules():
         if not isinstance(sub, FSDPModule):
             continue
-        groups = sub._get_fsdp_state()._fsdp_param_groups
+        state = sub._get_fsdp_state()
+        if hasattr(state, "_fsdp_param_groups"):  # torch >= 2.12: one group per mesh
+            groups = state._fsdp_param_groups
+        else:
+            groups = [state._fsdp_param_group] if state._fsdp_param_group is not None else []
         if len(groups) > 1:
             raise ValueError(
                 f"{type(sub).__name__} has {len(groups)} FSDP parameter groups (per-parameter meshes): the "

@@ -2,8 +2,9 @@
 
 A hook averages one gradient bucket. Parameters listed as exact (1-D parameters such as norms and biases,
 embeddings and the output head, whose gradients are sparse or sensitive) and buckets smaller than
-``min_compress_numel`` use an exact fp32 all-reduce; everything else is compressed. Collectives are issued
-synchronously and the hook returns a completed future.
+``min_compress_numel`` use an exact fp32 all-reduce; everything else is compressed. On CUDA a hook runs its
+quantization and collectives on a side stream and returns a future that the reducer's stream waits on, so
+communication overlaps the rest of backward; on CPU (gloo) it runs synchronously and returns a completed future.
 """
 
 from collections.abc import Callable, Iterable
@@ -39,6 +40,7 @@ class CommHookState:
     bytes_sent: int = 0
     compressed_numel: int = 0
     exact_numel: int = 0
+    streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict)
 
 
 def _split(bucket: dist.GradBucket, state: CommHookState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -70,14 +72,35 @@ def _scatter(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-def _done(bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-    fut.set_result(bucket.buffer())
+def _run(
+    state: CommHookState, bucket: dist.GradBucket, reduce_: Callable[[], None]
+) -> torch.futures.Future[torch.Tensor]:
+    """Run ``reduce_`` (which averages the bucket in place) and return the bucket's future.
+
+    On CUDA it runs on the state's side stream after the gradients are ready; the future records its completion
+    there, and DDP's reducer makes its stream wait on it before reading the bucket.
+    """
+    buffer = bucket.buffer()
+    if buffer.device.type != "cuda":
+        reduce_()
+        fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+        fut.set_result(buffer)
+        return fut
+    stream = state.streams.setdefault(buffer.device, torch.cuda.Stream(buffer.device))
+    stream.wait_stream(torch.cuda.current_stream(buffer.device))
+    with torch.cuda.stream(stream):
+        reduce_()
+        fut = torch.futures.Future(devices=[buffer.device])
+        fut.set_result(buffer)
     return fut
 
 
 def fp8_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket with :func:`fp8_all_reduce_` (exact parameters and small buckets in fp32)."""
+    return _run(state, bucket, lambda: _fp8_reduce_(state, bucket))
+
+
+def _fp8_reduce_(state: CommHookState, bucket: dist.GradBucket) -> None:
     compress, exact = _split(bucket, state)
     _exact_(exact, state)
     if compress:
@@ -90,11 +113,14 @@ def fp8_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fut
         _scatter(flat, compress)
         state.compressed_numel += flat.numel()
         state.bytes_sent += fp8_all_reduce_bytes(flat.numel(), world, state.block)
-    return _done(bucket)
 
 
 def bf16_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """Average the bucket in bf16 (exact parameters and small buckets in fp32); works on gloo and NCCL."""
+    return _run(state, bucket, lambda: _bf16_reduce_(state, bucket))
+
+
+def _bf16_reduce_(state: CommHookState, bucket: dist.GradBucket) -> None:
     compress, exact = _split(bucket, state)
     _exact_(exact, state)
     if compress:
@@ -104,7 +130,6 @@ def bf16_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
         _scatter(flat.float() / world, compress)
         state.compressed_numel += flat.numel()
         state.bytes_sent += 2 * (world - 1) * flat.numel() * 2 // world
-    return _done(bucket)
 
 
 def exact_parameters(model: nn.Module, head_modules: Iterable[nn.Module] = ()) -> set[int]:
