@@ -25,22 +25,62 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 PEAK_TFLOPS = 989.0
-FORGE_PATHS = ("forge-fsdp2", "forge-fsdp2-fp8", "forge-ddp")
+# forge path -> (strategy, strategy options, performance section)
+FORGE_PATHS: dict[str, tuple[str, dict, dict]] = {
+    "forge-fsdp2": ("fsdp2", {}, {}),
+    "forge-fsdp2-fp8": ("fsdp2", {}, {"fp8": {"recipe": "tensorwise", "fsdp_all_gather": True}}),
+    "forge-fsdp2-rs-bf16": ("fsdp2", {"gradient_reduce": "bf16"}, {}),
+    "forge-fsdp2-rs-fp8": ("fsdp2", {"gradient_reduce": "fp8"}, {}),
+    "forge-fsdp2-delta": ("fsdp2", {"param_all_gather": "delta_fp8"}, {}),
+    "forge-ddp": ("ddp", {}, {}),
+    "forge-ddp-bf16": ("ddp", {"comm_hook": "bf16"}, {}),
+    "forge-ddp-fp8": ("ddp", {"comm_hook": "fp8"}, {}),
+    "forge-ddp-torch-defaults": ("ddp", {"gradient_as_bucket_view": False, "bucket_cap_mb": 25}, {}),
+}
 HF_PATHS = ("hf-fsdp2", "hf-fsdp2-ac", "hf-ddp")
+# compressed path -> the exact path its loss is compared with
+EXACT_TWIN = {
+    "forge-fsdp2-rs-bf16": "forge-fsdp2",
+    "forge-fsdp2-rs-fp8": "forge-fsdp2",
+    "forge-fsdp2-delta": "forge-fsdp2",
+    "forge-ddp-bf16": "forge-ddp",
+    "forge-ddp-fp8": "forge-ddp",
+}
+
+
+def split_path(spec: str) -> tuple[str, int | None]:
+    """``name`` or ``name@micro_batch`` -> (name, micro-batch or ``None`` for ``--batch``)."""
+    name, _, batch = spec.partition("@")
+    if name not in FORGE_PATHS and name not in HF_PATHS:
+        raise SystemExit(f"unknown path {name!r}; choose from {sorted(FORGE_PATHS) + list(HF_PATHS)}")
+    return name, int(batch) if batch else None
 
 
 # ----- child: one path on every rank -----------------------------------------------------------------------
-def _random_tokens(args, vocab: int, rank: int):
+def _steps(args) -> int:
+    return args.loss_steps or args.warmup + args.steps
+
+
+def _tokens(args, vocab: int, rank: int, world: int):
+    """This rank's batches: random tokens, or with ``--loss-steps`` its share of the quick-start corpus windows."""
     import torch
 
-    generator = torch.Generator().manual_seed(1000 + rank)
-    return torch.randint(0, vocab, (args.warmup + args.steps, args.batch, args.seq + 1), generator=generator)
+    if not args.loss_steps:
+        generator = torch.Generator().manual_seed(1000 + rank)
+        return torch.randint(0, vocab, (_steps(args), args.batch, args.seq + 1), generator=generator)
+    from llm_throughput import _text_batches
+
+    batches = _text_batches(args.data_dir, _steps(args) * world, args.batch, args.seq, "cpu")[rank::world]
+    if max(int(b.max()) for b in batches) >= vocab:
+        raise SystemExit(f"the corpus tokenizer's ids exceed {args.shape}'s vocab_size ({vocab})")
+    return torch.stack(batches)
 
 
 class _StepTimer:
@@ -64,7 +104,26 @@ class _StepTimer:
             self.end = time.perf_counter()
 
 
-def _run_forge(args, path: str, tokens) -> tuple[float, int]:
+def _comm_bytes(strategy, params: int, world: int, steps: int) -> dict:
+    """Bytes one rank sends per step for parameters and gradients: counted where a compressed collective ran,
+    from the collective's formula where the exact one did (bf16 all-gathers in forward and backward and an fp32
+    reduce-scatter for FSDP2; an fp32 ring all-reduce for DDP)."""
+    from forge_lightning.strategies import FSDP2Strategy
+
+    share = (world - 1) / world
+    if isinstance(strategy, FSDP2Strategy):
+        comm = strategy._comm
+        gather = (
+            comm.all_gather.stats.bytes_sent / steps if comm and comm.all_gather else 2 * share * 2 * params
+        )
+        grads = comm.reduce_scatter.bytes_sent / steps if comm and comm.reduce_scatter else share * 4 * params
+        return {"param_bytes_per_step": gather, "grad_bytes_per_step": grads}
+    state = strategy.comm_state
+    grads = state.bytes_sent / steps if state is not None else 2 * share * 4 * params
+    return {"param_bytes_per_step": 0.0, "grad_bytes_per_step": grads}
+
+
+def _run_forge(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
     import lightning.pytorch as pl
     import torch
 
@@ -72,19 +131,27 @@ def _run_forge(args, path: str, tokens) -> tuple[float, int]:
     from forge_lightning.strategies import DDPStrategy, FSDP2Strategy
 
     cuda = args.device == "cuda"
-    performance = {"fp8": {"recipe": "tensorwise", "fsdp_all_gather": True}} if path.endswith("fp8") else {}
-    if path == "forge-ddp":  # DDP replicates a materialized model; FSDP2 materializes its shards itself
-        module = CausalLM(config=args.shape, performance=performance, optimizer={"lr": 1e-4})
-        strategy, precision = DDPStrategy(), "bf16-mixed"
+    kind, options, performance = FORGE_PATHS[path]
+    if args.eager:
+        performance = {**performance, "compile": False}
+    pl.seed_everything(0, verbose=False)
+    hparams = {"config": args.shape, "performance": performance, "optimizer": {"lr": args.lr}}
+    if args.loss_steps:
+        hparams["scheduler"] = {"name": "constant", "warmup_steps": 20}
+    if kind == "ddp":  # DDP replicates a materialized model; FSDP2 materializes its shards itself
+        module = CausalLM(**hparams)
+        strategy, precision = DDPStrategy(**options), "bf16-mixed"
     else:
         with torch.device("meta"):
-            module = CausalLM(config=args.shape, performance=performance, optimizer={"lr": 1e-4})
-        strategy = FSDP2Strategy(param_dtype="bf16", reduce_dtype="fp32")
+            module = CausalLM(**hparams)
+        strategy = FSDP2Strategy(param_dtype="bf16", reduce_dtype="fp32", **options)
         precision = "32-true"
     timer = _StepTimer(args.warmup, torch.device(args.device))
+    losses = []
 
     class Timing(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(outputs["loss"].detach())
             timer.after_step(batch_idx)
 
     batches = [
@@ -105,10 +172,12 @@ def _run_forge(args, path: str, tokens) -> tuple[float, int]:
         use_distributed_sampler=False,
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    return timer.end - timer.start, timer.steps
+    params = sum(p.numel() for p in module.parameters())
+    comm = _comm_bytes(strategy, params, trainer.world_size, len(batches))
+    return timer.end - timer.start, timer.steps, [float(x) for x in losses], comm
 
 
-def _run_hf(args, path: str, tokens) -> tuple[float, int]:
+def _run_hf(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
     import torch
     import torch.distributed as dist
     import transformers
@@ -117,6 +186,8 @@ def _run_hf(args, path: str, tokens) -> tuple[float, int]:
     from forge_lightning.modules.llm import LLMConfig
 
     device = torch.device(args.device, int(os.environ["LOCAL_RANK"]) if args.device == "cuda" else 0)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     hf_config = transformers.AutoConfig.for_model(**LLMConfig.from_preset(args.shape).to_hf())
     hf_config._attn_implementation = "sdpa"
@@ -134,12 +205,20 @@ def _run_hf(args, path: str, tokens) -> tuple[float, int]:
             fully_shard(layer, mp_policy=policy)
         fully_shard(model, mp_policy=policy)
         model.to_empty(device=device)
+        # Initialise the local shards directly: DTensor random ops re-synchronise RNG state per call, which
+        # takes minutes at 8B. The values do not matter for throughput (the timer starts after warm-up).
         with torch.no_grad():
-            model.apply(model._init_weights)
+            for name, param in model.named_parameters():
+                local = param.to_local()
+                if "norm" in name:
+                    local.fill_(1.0)
+                else:
+                    local.normal_(0.0, 0.02)
         # RoPE frequencies are a buffer FSDP does not manage: rebuild them on the device.
         model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.device == "cuda")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.device == "cuda")
     timer = _StepTimer(args.warmup, device)
+    losses = []
     for step, t in enumerate(tokens):
         t = t.to(device)
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=path == "hf-ddp"):
@@ -147,8 +226,9 @@ def _run_hf(args, path: str, tokens) -> tuple[float, int]:
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.detach())
         timer.after_step(step)
-    return timer.end - timer.start, timer.steps
+    return timer.end - timer.start, timer.steps, [float(x) for x in losses], {}
 
 
 def child(args) -> None:
@@ -158,9 +238,13 @@ def child(args) -> None:
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = LLMConfig.from_preset(args.shape)
-    tokens = _random_tokens(args, config.vocab_size, rank)
     run = _run_forge if args.child in FORGE_PATHS else _run_hf
-    elapsed, steps = run(args, args.child, tokens)
+    try:
+        tokens = _tokens(args, config.vocab_size, rank, world)
+        elapsed, steps, losses, comm = run(args, args.child, tokens)
+    except BaseException as error:
+        print(f"ERROR {type(error).__name__}: {error}".splitlines()[0], flush=True)
+        raise
     cuda = args.device == "cuda"
     tokens_per_gpu = args.batch * args.seq * steps / elapsed
     tflops = tokens_per_gpu * llm_flops_per_token(config, args.seq) / 1e12
@@ -173,46 +257,87 @@ def child(args) -> None:
         "mfu": tflops / PEAK_TFLOPS,
         "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
         "step_s": elapsed / steps,
+        **comm,
     }
+    if args.loss_steps:
+        result.update(last20_mean_loss=sum(losses[-20:]) / len(losses[-20:]), losses=losses)
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
 
 # ----- parent: one torchrun per (path, GPU count) --------------------------------------------------------
-def _launch(args, path: str, gpus: int) -> dict:
+def _launch(args, spec: str, gpus: int) -> dict:
+    path, batch = split_path(spec)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
-    cmd += [__file__, "--child", path, *sys.argv[1:]]
+    cmd += [__file__, *sys.argv[1:], "--child", path, "--batch", str(batch or args.batch)]
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    for line in proc.stdout.splitlines():
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
+    try:
+        stdout, stderr = proc.communicate(timeout=args.launch_timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun stops its ranks (each in a session of its own) on SIGTERM; SIGKILL what is left after that.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        stderr += f"\nERROR launch killed after {args.launch_timeout:.0f} s (--launch-timeout)"
+    if args.log_dir:
+        log = Path(args.log_dir) / f"fsdp_{spec.replace('@', '_mb')}_{gpus}gpu.log"
+        log.write_text(stdout + stderr)
+    print(f"{spec} on {gpus} GPU(s): {time.perf_counter() - started:.0f} s", flush=True)
+    for line in stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line.removeprefix("RESULT "))
-    tail = (proc.stdout + proc.stderr).strip()
+    tail = (stdout + stderr).strip()
     print(tail[-3000:], file=sys.stderr)
-    return {"path": path, "gpus": gpus, "error": tail.splitlines()[-1] if tail else f"exit {proc.returncode}"}
+    errors = [
+        line.removeprefix("ERROR ") for line in (stdout + stderr).splitlines() if line.startswith("ERROR ")
+    ]
+    error = errors[0] if errors else (tail.splitlines()[-1] if tail else f"exit {proc.returncode}")
+    return {"path": path, "gpus": gpus, "batch": batch or args.batch, "error": error}
 
 
-def _table(results: list[dict]) -> str:
-    one_gpu = {r["path"]: r for r in results if r.get("gpus") == 1 and "error" not in r}
+def _table(results: list[dict], loss: bool) -> str:
+    one_gpu = {(r["path"], r["batch"]): r for r in results if r.get("gpus") == 1 and "error" not in r}
     best_hf = max(
         (r["tokens_per_s_per_gpu"] for r in results if r["path"] in HF_PATHS and "error" not in r),
         default=None,
     )
-    lines = [
-        "| path | GPUs | micro-batch | tokens/s/GPU | TFLOP/s | MFU | peak mem | step | scaling vs 1 GPU | vs best hf |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
+    by_path = {(r["path"], r["gpus"]): r for r in results if "error" not in r}
+    head = "| path | GPUs | micro-batch | tokens/s/GPU | TFLOP/s | MFU | peak mem | step | param comm/step | grad comm/step |"
+    head += " last-20 loss | vs exact |" if loss else " scaling vs 1 GPU | vs best hf |"
+    lines = [head, "|---" * head.count(" | ") + "|"]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['path']} | {r['gpus']} | failed: {r['error'][:100]} |")
+            lines.append(
+                f"| {r['path']} | {r['gpus']} | {r.get('batch', '-')} | failed: {r['error'][:100]} |"
+            )
             continue
-        base = one_gpu.get(r["path"])
-        scaling = f"{100 * r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.1f}%" if base else "-"
-        vs = f"{r['tokens_per_s_per_gpu'] / best_hf:.2f}x" if best_hf else "-"
-        lines.append(
+        row = (
             f"| {r['path']} | {r['gpus']} | {r['batch']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops']:.0f} | "
-            f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} GB | {r['step_s'] * 1e3:.0f} ms | {scaling} | {vs} |"
+            f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} GB | {r['step_s'] * 1e3:.0f} ms | "
         )
+        row += " | ".join(
+            f"{r[key] / 1e9:.2f} GB" if key in r else "-"
+            for key in ("param_bytes_per_step", "grad_bytes_per_step")
+        )
+        if loss:
+            twin = by_path.get((EXACT_TWIN.get(r["path"], r["path"]), r["gpus"]))
+            vs = f"{100 * (r['last20_mean_loss'] / twin['last20_mean_loss'] - 1):+.2f}%" if twin else "-"
+            row += f" | {r['last20_mean_loss']:.4f} | {vs} |"
+        else:
+            base = one_gpu.get((r["path"], r["batch"]))
+            scaling = (
+                f"{100 * r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.1f}%" if base else "-"
+            )
+            vs = f"{r['tokens_per_s_per_gpu'] / best_hf:.2f}x" if best_hf else "-"
+            row += f" | {scaling} | {vs} |"
+        lines.append(row)
     return "\n".join(lines)
 
 
@@ -220,34 +345,66 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--shape", default="llama3.1-8b")
     parser.add_argument("--seq", type=int, default=8192)
-    parser.add_argument("--batch", type=int, default=1, help="micro-batch per GPU")
+    parser.add_argument(
+        "--batch", type=int, default=1, help="micro-batch per GPU (a path's `@N` overrides it)"
+    )
     parser.add_argument("--gpus", type=int, nargs="+", default=[2])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument(
-        "--paths", nargs="+", default=["forge-fsdp2", "hf-fsdp2"], choices=FORGE_PATHS + HF_PATHS
+        "--paths",
+        nargs="+",
+        default=["forge-fsdp2", "hf-fsdp2"],
+        help=f"paths, each optionally `@micro_batch`: {', '.join(list(FORGE_PATHS) + list(HF_PATHS))}",
     )
+    parser.add_argument(
+        "--loss-steps", type=int, default=0, help="train N steps on the quick-start corpus and compare losses"
+    )
+    parser.add_argument("--data-dir", default="data/quickstart", help="quick-start data (built if missing)")
+    parser.add_argument("--eager", action="store_true", help="forge paths without compiled blocks")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--log-dir", default=None, help="write each launch's full output here")
+    parser.add_argument("--launch-timeout", type=float, default=900, help="seconds before a launch is killed")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
         child(args)
         return
-    results = [_launch(args, path, gpus) for gpus in sorted(args.gpus) for path in args.paths]
-    for r in results:
-        print(json.dumps(r), flush=True)
+    for spec in args.paths:
+        split_path(spec)
+    if args.loss_steps:  # build the corpus once, before the ranks read it
+        from forge_lightning.tools.data import build_quickstart
+
+        build_quickstart(args.data_dir)
+    if args.log_dir:
+        Path(args.log_dir).mkdir(parents=True, exist_ok=True)
+    suffix = "_loss" if args.loss_steps else ""
     out = Path(
-        args.out or Path(__file__).parent / "results" / f"fsdp_throughput_{args.shape}_{args.seq}.json"
+        args.out
+        or Path(__file__).parent / "results" / f"fsdp_throughput_{args.shape}_{args.seq}{suffix}.json"
     )
     out.parent.mkdir(parents=True, exist_ok=True)
     import torch
 
     gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     meta = {"gpu": gpu, "torch": torch.__version__, "argv": sys.argv[1:]}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    print(f"\n{args.shape}, seq {args.seq}, micro-batch {args.batch}, {gpu}, torch {meta['torch']}")
-    print(_table(results))
+    results = []
+    for gpus in sorted(args.gpus):
+        for spec in args.paths:
+            results.append(_launch(args, spec, gpus))
+            print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+            out.write_text(
+                json.dumps({"meta": meta, "results": results}, indent=2) + "\n"
+            )  # kept if cut short
+    what = (
+        f"{args.loss_steps} steps on the quick-start corpus"
+        if args.loss_steps
+        else f"{args.steps} timed steps"
+    )
+    print(f"\n{args.shape}, seq {args.seq}, {what}, {gpu}, torch {meta['torch']}")
+    print(_table(results, loss=bool(args.loss_steps)))
 
 
 if __name__ == "__main__":
