@@ -5,19 +5,27 @@ Each path is one ``torchrun`` launch on the same GPUs and the same random tokens
 - ``forge-fsdp2`` / ``forge-fsdp2-fp8`` / ``forge-ddp``: ``CausalLM`` trained by Lightning's ``Trainer`` with
   ``FSDP2Strategy`` (bf16 parameters over fp32 masters, fp32 reduce) or ``DDPStrategy``, with the module's
   ``performance`` defaults (compiled blocks, cuDNN attention, Triton fused loss; ``-fp8``: torchao float8 with
-  FP8 all-gather) — the path a user runs with ``forge fit``.
+  FP8 all-gather) — the path a user runs with ``forge fit``. Compressed-communication variants:
+  ``forge-fsdp2-rs-bf16`` / ``-rs-fp8`` (``gradient_reduce``), ``forge-fsdp2-delta`` (``param_all_gather:
+  delta_fp8``), ``forge-ddp-bf16`` / ``-fp8`` (``comm_hook``); ``forge-ddp-torch-defaults``: DDP with torch's
+  bucket defaults.
 - ``hf-fsdp2`` / ``hf-fsdp2-ac``: what a user writes today: the transformers model with ``fully_shard`` per
   decoder layer and on the root (same mixed precision), SDPA attention, optionally gradient checkpointing,
   fused AdamW, a plain loop. ``hf-ddp``: the transformers model under ``DistributedDataParallel`` with bf16
   autocast over fp32 weights.
 
-    python benchmarks/fsdp_throughput.py --gpus 2 --shape llama3.1-8b --seq 8192 --batch 1 \
-        --paths forge-fsdp2 forge-fsdp2-fp8 hf-fsdp2 hf-fsdp2-ac
-    python benchmarks/fsdp_throughput.py --gpus 1 2 --shape llama3.2-1b --seq 4096 --batch 4 \
-        --paths forge-fsdp2 forge-ddp hf-fsdp2 hf-ddp      # scaling 1 -> 2 GPUs
+A path may carry its own micro-batch as ``name@N``.
 
-Prints one table last (tokens/s per GPU, TFLOP/s, MFU against 989, peak memory, scaling vs 1 GPU) and writes
-benchmarks/results/fsdp_throughput_<shape>_<seq>.json. ``--device cpu --shape debug`` checks it on gloo.
+    python benchmarks/fsdp_throughput.py --gpus 2 --shape llama3.1-8b --seq 8192 --batch 1 \
+        --paths forge-fsdp2 forge-fsdp2-fp8 hf-fsdp2 hf-fsdp2-ac@2
+    python benchmarks/fsdp_throughput.py --gpus 1 2 --shape llama3.2-1b --seq 4096 --batch 4 \
+        --paths forge-fsdp2 forge-ddp                      # scaling 1 -> 2 GPUs
+    python benchmarks/fsdp_throughput.py --gpus 2 --shape quickstart --seq 128 --batch 2 --loss-steps 200 \
+        --paths forge-fsdp2 forge-fsdp2-rs-fp8 forge-ddp forge-ddp-fp8   # losses on real text vs exact twins
+
+Prints one table last (tokens/s per GPU, TFLOP/s, MFU against 989, peak memory, bytes each rank sends per step,
+scaling vs 1 GPU, or with ``--loss-steps`` the last-20 mean loss against the exact twin) and writes
+benchmarks/results/fsdp_throughput_<shape>_<seq>[_loss].json after every launch. ``--device cpu`` runs on gloo.
 """
 
 from __future__ import annotations
