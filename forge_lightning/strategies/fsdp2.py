@@ -25,7 +25,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
@@ -377,6 +377,14 @@ class FSDP2Strategy(ModelParallelStrategy):
     def _apply_comm_options(self, module: nn.Module) -> None:
         options = dict(self.comm_options)
         if options["param_all_gather"] == "exact" and options["gradient_reduce"] == "exact":
+            return
+        if self._device_mesh["dp_shard"].size() == 1:
+            rank_zero_warn(
+                f"{type(self).__name__}: param_all_gather={options['param_all_gather']!r} / gradient_reduce="
+                f"{options['gradient_reduce']!r} have no effect with a shard size of 1 (data_parallel_replicate_size "
+                "equals data_parallel_size): FSDP2 then runs no all-gather or reduce-scatter to compress, and the "
+                "all-reduce across replicas stays exact"
+            )
             return
         if not options["delta_keep_unsharded"]:
             # Resharded, the delta all-gather runs once per micro-batch forward: count re-syncs in steps.

@@ -1,4 +1,6 @@
-"""One rank of the 2-process checks in test_fp8_fsdp_comm.py: ``python _fp8_fsdp_worker.py RANK WORLD STORE OUT``.
+"""One rank of the checks in test_fp8_fsdp_comm.py: ``python _fp8_fsdp_worker.py RANK WORLD STORE OUT [SUITE]``.
+
+SUITE ``fsdp`` (default): 1-D FSDP checks on 2 processes; ``hsdp``: the replicate 2 x shard ``WORLD/2`` checks.
 
 Every check uses real gloo collectives under ``fully_shard``; the bytes a rank sends are counted by wrapping the
 collectives themselves (:class:`ByteCounter`), not read back from the code under test.
@@ -19,36 +21,70 @@ BF16_EPS = 2.0**-8  # bf16 spacing relative to a value's magnitude (at most)
 
 
 class ByteCounter:
-    """Wrap the collectives FSDP2 and the compressed paths use; count the bytes this rank sends."""
+    """Wrap the collectives FSDP2 and the compressed paths use; count the bytes this rank sends.
+
+    Shares are taken over the size of the group each call runs on (the shard group under HSDP, not the world).
+    ``all_reduce`` (FSDP2's HSDP all-reduce across replicas) is counted apart, as the elements it reduces.
+    """
+
+    SHARES = {
+        "all_gather_into_tensor": lambda w: w - 1,  # own input to every other rank
+        "all_gather_single": lambda w: w - 1,
+        "all_to_all_single": lambda w: (w - 1) / w,  # all rows but its own
+        "reduce_scatter_single": lambda w: (w - 1) / w,
+    }
 
     def __init__(self) -> None:
-        self.sent = 0
-        self.world = dist.get_world_size()
-        for name, share in (
-            ("all_gather_into_tensor", self.world - 1),  # own input to every other rank
-            ("all_gather_single", self.world - 1),
-            ("all_to_all_single", (self.world - 1) / self.world),  # all rows but its own
-            ("reduce_scatter_single", (self.world - 1) / self.world),
-        ):
-            setattr(dist, name, self._wrap(getattr(dist, name), share))
+        self.sent: dict[str, int] = {}
+        self.all_reduce_numel = 0
+        for name, share in self.SHARES.items():
+            setattr(dist, name, self._wrap(name, getattr(dist, name), share))
+        all_reduce = dist.all_reduce
 
-    def _wrap(self, fn, share):
+        def counted_all_reduce(tensor, *args, **kwargs):
+            self.all_reduce_numel += tensor.numel()
+            return all_reduce(tensor, *args, **kwargs)
+
+        dist.all_reduce = counted_all_reduce
+
+    def _wrap(self, name, fn, share):
         def counted(*args, **kwargs):
             tensor = kwargs.get("input", kwargs.get("input_tensor", args[1] if len(args) > 1 else None))
-            self.sent += round(tensor.numel() * tensor.element_size() * share)
+            world = dist.get_world_size(kwargs.get("group"))
+            sent = round(tensor.numel() * tensor.element_size() * share(world))
+            self.sent[name] = self.sent.get(name, 0) + sent
             return fn(*args, **kwargs)
 
         return counted
 
     def take(self) -> int:
-        sent, self.sent = self.sent, 0
-        return sent
+        """Bytes sent since the last take, all collectives together."""
+        return sum(self.take_each().values())
+
+    def take_each(self) -> dict[str, int]:
+        """Bytes sent since the last take per kind (``all_gather``, ``all_to_all``, ``reduce_scatter``)."""
+        each: dict[str, int] = {}
+        for name, sent in self.sent.items():
+            kind = name.removesuffix("_single").removesuffix("_into_tensor")
+            each[kind] = each.get(kind, 0) + sent
+        self.sent = {}
+        return each
+
+    def take_all_reduce_numel(self) -> int:
+        numel, self.all_reduce_numel = self.all_reduce_numel, 0
+        return numel
 
 
 def _everyone(x: torch.Tensor) -> torch.Tensor:
     out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(out, x.contiguous())
     return torch.stack(out)
+
+
+def _same_everywhere(x: torch.Tensor) -> bool:
+    """Whether ``x`` is bit-identical on every rank (gathered in fp32, which holds bf16 values exactly)."""
+    x = x.float()
+    return all(torch.equal(x, other) for other in _everyone(x))
 
 
 def _multiscale(n: int, gen: torch.Generator) -> torch.Tensor:
@@ -211,7 +247,7 @@ def delta_run(
         record["step"].append(counter.take())
         optimizer.zero_grad()
         record["err"].append(_max_abs(used, exact))
-        record["identical"].append(all(torch.equal(*_everyone(v.float())) for v in used.values()))
+        record["identical"].append(all(_same_everywhere(v) for v in used.values()))
         if prev_exact is not None:
             record["update"].append(_max_abs(exact, prev_exact))
             record["bound_ok"].append(_within_delta_bound(used, exact, prev_used))
@@ -270,36 +306,116 @@ def fsdp_reduce_scatter_check(rank: int, world: int, counter: ByteCounter) -> di
 
 
 # ----- the tiny LLM -----------------------------------------------------------------------------------------------
-def llm_losses(rank: int, world: int, options: dict | None, steps: int = 5) -> list[float]:
-    """Per-step mean loss (over ranks) of the tiny LLM under FSDP2 with bf16 params and fp32 master weights."""
+def _tiny_llm() -> nn.Module:
     from tiny import TINY_LLM
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from forge_lightning.modules.llm.config import LLMConfig
     from forge_lightning.modules.llm.model import DecoderLM
-    from forge_lightning.strategies.comm import apply_fsdp_comm_options
 
     torch.manual_seed(0)
-    model = DecoderLM(LLMConfig.load(TINY_LLM), attention_backend="sdpa")
-    mesh = init_device_mesh("cpu", (world,))
+    return DecoderLM(LLMConfig.load(TINY_LLM), attention_backend="sdpa")
+
+
+def _llm_batch(gen: torch.Generator) -> torch.Tensor:
+    return torch.randint(0, 512, (4, 33), generator=gen)  # [B, T + 1]: one data-parallel rank's batch
+
+
+def _llm_loss(model: nn.Module, tokens_BT: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens_BT[:, :-1])
+    return nn.functional.cross_entropy(logits.float().reshape(-1, 512), tokens_BT[:, 1:].reshape(-1))
+
+
+def _capture_unsharded_params(modules: list[nn.Module]) -> dict[str, torch.Tensor]:
+    """Record the gathered (non-DTensor) parameters each module computes with, at its forward."""
+    from torch.distributed.tensor import DTensor
+
+    used: dict[str, torch.Tensor] = {}
+
+    def hook(module, _args):
+        for name, p in module.named_parameters():
+            if not isinstance(p, DTensor):
+                used[f"{id(module)}.{name}"] = p.detach().clone()
+
+    for module in modules:
+        module.register_forward_pre_hook(hook)
+    return used
+
+
+def llm_run(
+    rank: int,
+    options: dict | None,
+    *,
+    mesh,
+    mp_policy=None,
+    steps: int = 5,
+    counter: ByteCounter | None = None,
+) -> dict:
+    """Train the tiny LLM under FSDP2 (1-D mesh) or HSDP (2-D replicate x shard mesh) for a few AdamW steps.
+
+    Returns the per-step mean loss over ranks, the bytes each phase of each step sent (with ``counter``), and
+    whether the parameters ended bit-identical: the gathered ones on every rank, the sharded ones across replicas.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    from forge_lightning.strategies.comm import apply_fsdp_comm_options
+
+    model = _tiny_llm()
+    mp_policy = mp_policy or _mp_policy()
     for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh, mp_policy=_mp_policy())
-    fully_shard(model, mesh=mesh, mp_policy=_mp_policy(), reshard_after_forward=False)
+        fully_shard(layer, mesh=mesh, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=False)
     handles = apply_fsdp_comm_options(model, **options) if options is not None else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     if handles is not None and handles.all_gather is not None:
         handles.all_gather.attach(optimizer)
+    used = _capture_unsharded_params([model, *model.model.layers])
     gen = torch.Generator().manual_seed(50 + rank)
+    record = {k: [] for k in ("losses", "forward", "backward", "step", "all_reduce_numel")}
+    for _ in range(steps):
+        take = counter.take_each if counter else dict
+        take()
+        loss = _llm_loss(model, _llm_batch(gen))
+        record["forward"].append(take())
+        loss.backward()
+        record["backward"].append(take())
+        record["all_reduce_numel"].append(counter.take_all_reduce_numel() if counter else 0)
+        optimizer.step()
+        optimizer.zero_grad()
+        record["step"].append(take())
+        record["losses"].append(float(_everyone(loss.detach()).mean()))
+    with torch.no_grad():  # one more forward: the gathered parameters after the last update
+        _llm_loss(model, _llm_batch(gen))
+    record["gathered_identical"] = all(_same_everywhere(v) for v in used.values())
+    if mesh.ndim == 2:  # HSDP: the sharded (fp32 master) parameters of the replicas of one shard
+        from forge_lightning.strategies.comm.fp8_reduce_scatter import fsdp_units
+
+        shards = torch.cat([fp._sharded_param_data for _, g in fsdp_units(model) for fp in g.fsdp_params])
+        replicas = [torch.empty_like(shards) for _ in range(mesh.size(0))]
+        dist.all_gather(replicas, shards, group=mesh.get_group(0))
+        record["shards_identical_across_replicas"] = all(torch.equal(replicas[0], r) for r in replicas)
+    record["shard_numels"] = _unit_shard_numels(model)
+    return record
+
+
+def llm_losses(rank: int, world: int, options: dict | None, steps: int = 5) -> list[float]:
+    """Per-step mean loss (over ranks) of the tiny LLM under FSDP2 with bf16 params and fp32 master weights."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return llm_run(rank, options, mesh=init_device_mesh("cpu", (world,)), steps=steps)["losses"]
+
+
+def llm_reference_losses(world: int, steps: int = 5) -> list[float]:
+    """The same steps on one process without FSDP, on the concatenated batches of the ``world`` ranks (fp32)."""
+    model = _tiny_llm()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    gens = [torch.Generator().manual_seed(50 + rank) for rank in range(world)]
     losses = []
     for _ in range(steps):
-        tokens = torch.randint(0, 512, (4, 33), generator=gen)
-        logits = model(tokens[:, :-1])
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, 512), tokens[:, 1:].reshape(-1))
+        loss = _llm_loss(model, torch.cat([_llm_batch(gen) for gen in gens]))
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        losses.append(float(_everyone(loss.detach()).mean()))
+        losses.append(float(loss))
     return losses
 
 
@@ -317,18 +433,85 @@ def training_check(rank: int, world: int) -> dict:
     }
 
 
+# ----- HSDP (replicate x shard) -------------------------------------------------------------------------------------
+HSDP_RUNS = {
+    "exact": None,
+    "bf16_rs": {"gradient_reduce": "bf16"},
+    "fp8_rs": {"gradient_reduce": "fp8", "fp8_error_feedback": True},
+    "delta_fp8": {"param_all_gather": "delta_fp8"},
+    "zero2_delta_fp8_rs": {
+        "param_all_gather": "delta_fp8",
+        "delta_keep_unsharded": True,
+        "gradient_reduce": "fp8",
+    },
+}
+
+
+def hsdp_scaling_check(rank: int, mesh) -> dict:
+    """Sharded gradients of the bf16 reduce-scatter (lossless for bf16 gradients) against FSDP2's exact HSDP
+    reduction, for each divide-factor path of ``_get_gradient_divide_factors``: the default (AVG reduce-scatter
+    in the shard group, AVG all-reduce across replicas), a factor equal to the shard size (AVG, then SUM), any
+    other factor (PREMUL_SUM(1/f), then SUM) and forced SUM (SUM, SUM, then a division by the data-parallel size).
+
+    gloo has no PREMUL_SUM, so the exact reference runs only the default; a factor ``f`` scales it by ``dp / f``.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    from forge_lightning.strategies.comm import enable_fp8_reduce_scatter
+
+    dp = mesh.size()
+    x = torch.randn(16, 48, generator=torch.Generator().manual_seed(60 + rank))
+    grads = {}
+    for mode in ("exact", "default", "factor_shard", "factor_3", "force_sum"):
+        model = _linear_stack()
+        _shard_linear_stack(model, mesh, reshard_after_forward=False)
+        if mode != "exact":
+            enable_fp8_reduce_scatter(model, dtype="bf16", error_feedback=False)
+        for unit in (m for m in model.modules() if isinstance(m, FSDPModule)):
+            if mode.startswith("factor"):
+                unit.set_gradient_divide_factor(float(mesh.size(1)) if mode == "factor_shard" else 3.0)
+            unit.set_force_sum_reduction_for_comms(mode == "force_sum")
+        model(x).float().square().mean().backward()
+        grads[mode] = torch.cat([p.grad.to_local().reshape(-1) for p in model.parameters()])
+    factors = {"default": dp, "factor_shard": mesh.size(1), "factor_3": 3.0, "force_sum": dp}
+    return {
+        mode: float((grads[mode] - grads["exact"] * dp / f).norm() / grads["exact"].norm())
+        for mode, f in factors.items()
+    }
+
+
+def hsdp_check(rank: int, world: int, counter: ByteCounter) -> dict:
+    """The tiny LLM in fp32 on a ``2 x world/2`` HSDP mesh with each compressed collective, the one-process
+    reference (rank 0 only) and the reduce-scatter's scaling under HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    out = {
+        name: llm_run(rank, options, mesh=mesh, mp_policy=MixedPrecisionPolicy(), counter=counter)
+        for name, options in HSDP_RUNS.items()
+    }
+    out["reference"] = llm_reference_losses(world) if rank == 0 else None
+    out["scaling"] = hsdp_scaling_check(rank, mesh)
+    return out
+
+
 def main() -> None:
     rank, world, store_file, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], Path(sys.argv[4])
+    suite = sys.argv[5] if len(sys.argv) > 5 else "fsdp"
     dist.init_process_group("gloo", store=dist.FileStore(store_file, world), rank=rank, world_size=world)
     counter = ByteCounter()
-    result = {
-        "reduce_scatter": reduce_scatter_check(rank, world, counter),
-        "fsdp_reduce_scatter": fsdp_reduce_scatter_check(rank, world, counter),
-        "delta": delta_run(rank, world, counter, resync_every=0, keep_unsharded=False, steps=16),
-        "delta_resync": delta_run(rank, world, counter, resync_every=4, keep_unsharded=False, steps=10),
-        "zero2": delta_run(rank, world, counter, resync_every=4, keep_unsharded=True, steps=10),
-        "training": training_check(rank, world),
-    }
+    if suite == "hsdp":
+        result = {"hsdp": hsdp_check(rank, world, counter)}
+    else:
+        result = {
+            "reduce_scatter": reduce_scatter_check(rank, world, counter),
+            "fsdp_reduce_scatter": fsdp_reduce_scatter_check(rank, world, counter),
+            "delta": delta_run(rank, world, counter, resync_every=0, keep_unsharded=False, steps=16),
+            "delta_resync": delta_run(rank, world, counter, resync_every=4, keep_unsharded=False, steps=10),
+            "zero2": delta_run(rank, world, counter, resync_every=4, keep_unsharded=True, steps=10),
+            "training": training_check(rank, world),
+        }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
     # The results are written. Interpreter teardown after a gloo group occasionally aborts in a C++ thread

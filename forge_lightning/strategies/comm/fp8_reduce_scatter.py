@@ -222,7 +222,11 @@ class CompressedReduceScatter(ReduceScatter):
 
 def _op_scale(op: Any, world: int, param_group: Any) -> float:
     """The factor FSDP2's reduce op applies to the sum: AVG → 1/W, SUM → 1 (FSDP2 divides afterwards), and
-    PREMUL_SUM (a custom gradient divide factor) → 1 / factor."""
+    PREMUL_SUM (a custom gradient divide factor) → 1 / factor.
+
+    Under HSDP ``W`` is the shard group's size: FSDP2 then all-reduces the result across the replicas itself (AVG
+    after AVG; SUM after PREMUL_SUM, whose factor already covers every data-parallel rank), as after its own
+    reduce-scatter (torch 2.13 ``_get_gradient_divide_factors``; tested in ``test_fp8_fsdp_comm.py``)."""
     if op == dist.ReduceOp.AVG:
         return 1.0 / world
     if op == dist.ReduceOp.SUM:
