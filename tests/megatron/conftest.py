@@ -94,6 +94,38 @@ HF_TINY = {
         max_position_embeddings=64,
         tie_word_embeddings=True,
     ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    ),
+    "qwen2_moe": dict(  # layer 0 dense (mlp_only_layers), layer 1 MoE with the gated shared expert
+        model_type="qwen2_moe",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        num_experts=8,
+        num_experts_per_tok=2,
+        mlp_only_layers=[0],
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=True,
+    ),
 }
 
 
@@ -109,6 +141,8 @@ def make_hf_model(arch: str, out: Path):
         for name, param in model.named_parameters():
             if name.endswith("norm.weight") or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn_like(param))
+            elif name.endswith("mlp.gate.weight"):
+                param.mul_(25.0)  # MoE routers: logits of std ~3, so no token sits near a routing tie
     model.save_pretrained(out)
     return model
 

@@ -8,7 +8,9 @@ of that changes the arithmetic, so for CPU tests it is redirected:
 * the CUDA RNG state is the CPU generator's;
 * streams, events and synchronisation are no-ops;
 * ``Tensor.type()`` of a CPU tensor reports the CUDA type name megatron expects;
-* a ``device="cuda"`` argument of any torch function (``torch.tensor(..., device="cuda")``) means the CPU.
+* a ``device="cuda"`` argument of any torch function (``torch.tensor(..., device="cuda")``) means the CPU, and
+  ``pin_memory=True`` is dropped (the context-parallel RoPE slicing asks for it);
+* the MoE token dispatcher's device-to-host copy of its all-to-all split sizes gives numpy arrays, as on a GPU.
 
 Never imported by the package (a test checks it); the test entry point and conftest install it with
 :func:`install`.
@@ -85,6 +87,8 @@ class _CudaToCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if _is_cuda(kwargs.get("device")):
             kwargs = {**kwargs, "device": _CPU}
+        if kwargs.get("pin_memory"):  # no pinned-memory allocator without CUDA
+            kwargs = {**kwargs, "pin_memory": False}
         if any(_is_cuda(a) for a in args):
             args = tuple(_CPU if _is_cuda(a) else a for a in args)
         return func(*args, **kwargs)
@@ -151,6 +155,14 @@ def install() -> None:
     _mode.__enter__()
 
     from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer.moe import token_dispatcher
 
     mrandom._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     mrandom._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_to_host
+
+
+def _split_sizes_to_host(tensor: Any, as_numpy: bool = False, record_stream: bool = False) -> Any:
+    """megatron's MoE token dispatcher moves its all-to-all split sizes off the GPU as numpy arrays (what
+    ``all_to_all_single`` takes); for CPU tensors its helper keeps the tensor, which gloo refuses."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor

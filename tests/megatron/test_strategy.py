@@ -82,6 +82,18 @@ def test_tensor_parallel_matches_one_process_with_validation(runner):
     assert max(abs(val[s] - expected[s]) for s in val) <= 1e-5
 
 
+def test_context_parallel_matches_one_process_with_validation(runner):
+    """CP = 2 on 2 processes (DP = 1, so the data rank's batch is the reference's 4 rows): each rank trains on half
+    of every sequence (megatron's load-balanced split) with Ulysses attention."""
+    rows = runner(
+        "cp2", "--trainer.strategy", STRATEGY, "--trainer.strategy.context_parallel_size", "2", batch=4
+    )
+    _assert_same_losses(rows, runner.reference)
+    val, expected = _column(rows, "val/loss"), _column(runner.reference, "val/loss")
+    assert val and sorted(val) == sorted(expected)
+    assert max(abs(val[s] - expected[s]) for s in val) <= 1e-5
+
+
 def test_sequence_parallel_matches_one_process(runner):
     rows = runner(
         "tp2_sp",

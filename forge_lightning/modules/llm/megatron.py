@@ -1,6 +1,7 @@
 """The megatron-core twin of a decoder LM: its ``TransformerConfig``, its ``GPTModel`` and the HF weight mapping.
 
-An :class:`LLMConfig` (Llama / Qwen2 / Qwen3 dense) maps onto megatron-core's GPT as follows::
+An :class:`LLMConfig` (Llama / Qwen2 / Qwen3 dense, Qwen2-MoE / Qwen3-MoE) maps onto megatron-core's GPT as
+follows::
 
     HF (DecoderLM)                                   megatron-core GPTModel (per TP rank r of T, PP stage)
     model.embed_tokens.weight        [V, H]      ->  embedding.word_embeddings.weight   rows r*V/T ...   (first stage)
@@ -15,9 +16,26 @@ An :class:`LLMConfig` (Llama / Qwen2 / Qwen3 dense) maps onto megatron-core's GP
     model.norm.weight                            ->  decoder.final_layernorm                             (last stage)
     lm_head.weight (or the tied embedding)       ->  output_layer.weight                 rows split      (last stage)
 
+  MoE layers (``config.is_moe_layer(L)``; megatron's ``MoELayer`` with ``SequentialMLP`` experts), on expert-parallel
+  rank p of P with E experts (rank p holds experts ``e`` in ``[p*E/P, (p+1)*E/P)`` as ``local_experts.i``,
+  ``i = e - p*E/P``; each expert is split over TP like a dense MLP)::
+
+    mlp.gate.weight                    [E, H]    ->  mlp.router.weight                                   (replicated)
+    mlp.experts.e.{gate,up}_proj       [I, H]    ->  mlp.experts.local_experts.i.linear_fc1   [gate; up] per TP rank
+    mlp.experts.e.down_proj            [H, I]    ->  mlp.experts.local_experts.i.linear_fc2   columns split
+    mlp.shared_expert.{gate,up,down}_proj        ->  mlp.shared_experts.linear_fc1 / linear_fc2          (Qwen2-MoE)
+    mlp.shared_expert_gate.weight      [1, H]    ->  mlp.shared_experts.gate_weight                      (replicated)
+
 ``L`` is the global layer index (``layer.layer_number - 1``), ``l`` the index within the stage's chunk. The layer
 spec (which attention / norm modules fill the layer) is the caller's: strategies supply it, this module never
 imports a strategy.
+
+Router losses. The native model (as transformers) pools the load-balancing loss over all MoE layers,
+``E * sum_e f_e * P_e``; megatron computes ``E / K * sum_e f_e * P_e`` per layer and adds the layers' losses. The
+twin sets ``moe_aux_loss_coeff = aux_loss_coef * K / num_moe_layers`` and ``moe_z_loss_coeff = z_loss_coef /
+num_moe_layers``, so megatron's router losses are the native coefficients times the *mean over layers* of each
+layer's own loss: the z-loss is then the native one exactly, the load-balancing loss equal for one MoE layer and
+otherwise not (per-layer mean instead of pooled; see docs/megatron.md). Both are per micro-batch, as natively.
 """
 
 from __future__ import annotations
@@ -45,11 +63,14 @@ class WeightRule:
         megatron: parameter name in the megatron model chunk.
         hf: the Hugging Face tensor name(s) it is made of.
         kind: ``replicated``, ``column`` (rows split over TP), ``row`` (columns split), ``qkv`` or ``gate_up``.
+        expert: a routed expert's weight: held by one expert-parallel rank, split over the expert-TP group and
+            replicated over expert-data-parallel ranks (instead of the TP group and data-parallel ranks).
     """
 
     megatron: str
     hf: tuple[str, ...]
     kind: str
+    expert: bool = False
 
 
 def check_supported(config: LLMConfig) -> None:
@@ -58,11 +79,13 @@ def check_supported(config: LLMConfig) -> None:
     megatron-core has one switch for the q/k/v bias (``add_qkv_bias``) and one for every linear's bias
     (``add_bias_linear``), so an output-projection bias without MLP biases (or the reverse) has no twin.
     """
-    if config.moe is not None or config.mla is not None:
+    if config.mla is not None:
         raise NotImplementedError(
-            f"{config.architecture}: mixture-of-experts and multi-latent attention models are not yet built on "
-            "megatron-core by the twin; train them with a native strategy (fsdp2, ddp, zero1)"
+            f"{config.architecture}: multi-latent attention (DeepSeek-V3) is not yet built on megatron-core by the "
+            "twin; train it with a native strategy (fsdp2, ddp, zero1)"
         )
+    if config.moe is not None:
+        _check_moe_supported(config)
     linear_biases = (config.o_proj_bias, config.mlp_bias)
     if linear_biases not in ((False, False), (True, True)) or (
         config.o_proj_bias and not config.attention_bias
@@ -71,6 +94,65 @@ def check_supported(config: LLMConfig) -> None:
             f"attention_bias={config.attention_bias}, o_proj_bias={config.o_proj_bias}, mlp_bias={config.mlp_bias} "
             "is not yet supported by the megatron twin (supported: no biases, q/k/v biases only, or all biases)"
         )
+
+
+def _check_moe_supported(config: LLMConfig) -> None:
+    moe = config.moe
+    if moe.score_func != "softmax":
+        raise NotImplementedError(
+            f"moe.score_func={moe.score_func!r} (DeepSeek-V3 sigmoid routing with group-limited top-k and a "
+            "selection bias) is not yet built on megatron-core by the twin; supported: softmax top-k routing "
+            "(Qwen2-MoE, Qwen3-MoE); train it with a native strategy (fsdp2, ddp, zero1)"
+        )
+    if moe.num_experts_per_tok == 1 and moe.norm_topk_prob:
+        raise NotImplementedError(
+            "moe.num_experts_per_tok=1 with moe.norm_topk_prob=True (every weight 1) has no megatron-core router "
+            "(its top-1 routing keeps the softmax probability)"
+        )
+    if config.mlp_bias:
+        raise NotImplementedError(
+            "mlp_bias=True with moe is not supported by the megatron twin (no expert biases)"
+        )
+
+
+def _moe_fields(config: LLMConfig, shards: int) -> dict[str, Any]:
+    """``TransformerConfig`` fields of the MoE layers (see the module docstring for the router-loss scaling).
+
+    With ``calculate_per_token_loss`` megatron-core 0.16.1 scales each router loss by the tokens its rank routed, then
+    divides every gradient by the global batch's tokens; under sequence parallelism (TP) and context parallelism
+    (CP) a rank routes ``1 / shards`` of a micro-batch's tokens (``shards = tp * cp``, megatron's TP x CP group), so
+    the router losses would count ``1 / shards`` of their weight: the coefficients are multiplied by ``shards`` to
+    undo it (measured against the native model in tests/megatron/test_moe.py and test_context_parallel.py).
+    """
+    moe = config.moe
+    num_moe_layers = config.num_moe_layers
+    if not num_moe_layers:
+        return {}
+    aux = moe.aux_loss_coef * moe.num_experts_per_tok / num_moe_layers * shards
+    z_loss = moe.z_loss_coef / num_moe_layers * shards
+    scaling = None if moe.routed_scaling_factor == 1.0 else moe.routed_scaling_factor
+    return dict(
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.intermediate_size,
+        moe_layer_freq=[int(config.is_moe_layer(i)) for i in range(config.num_layers)],
+        moe_router_topk=moe.num_experts_per_tok,
+        moe_router_score_function="softmax",
+        # Softmax over all experts, then top-k (norm_topk_prob=False); megatron's default (top-k of the logits,
+        # then a softmax over those k) gives the renormalised top-k probabilities (norm_topk_prob=True).
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_topk_scaling_factor=scaling,
+        moe_shared_expert_intermediate_size=moe.shared_intermediate_size or None,
+        moe_shared_expert_gate=moe.shared_expert_gate,
+        moe_router_load_balancing_type="aux_loss" if aux else "none",
+        moe_aux_loss_coeff=aux,
+        moe_z_loss_coeff=z_loss or None,
+        # No token dropping; all-to-all dispatch over the expert-parallel group; one GEMM per expert
+        # (SequentialMLP: grouped GEMMs need TransformerEngine or the grouped_gemm package).
+        moe_token_dispatcher_type="alltoall",
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
 
 
 def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
@@ -87,6 +169,16 @@ def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     check_supported(config)
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    cp = parallel.get("context_parallel_size", 1)
+    moe = _moe_fields(config, tp * cp) if config.moe is not None else {}
+    if moe and tp > 1 and not parallel.get("sequence_parallel", False):
+        # As megatron-LM requires: without it every TP rank routes the same tokens and megatron's router losses
+        # count each token once per TP rank.
+        raise ValueError(
+            f"tensor_model_parallel_size ({tp}) with a mixture-of-experts model needs sequence_parallel=True "
+            "(as megatron-core's MoE layers expect)"
+        )
     return TransformerConfig(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
@@ -112,6 +204,7 @@ def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,
+        **moe,
         **parallel,
     )
 
@@ -176,7 +269,7 @@ def weight_rules(model: nn.Module, config: LLMConfig) -> Iterator[WeightRule]:
     if gpt.pre_process:
         yield WeightRule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), COLUMN)
     for i, layer in enumerate(gpt.decoder.layers):
-        yield from _layer_rules(f"decoder.layers.{i}.", f"model.layers.{layer.layer_number - 1}.", config)
+        yield from _layer_rules(f"decoder.layers.{i}.", layer, config)
     if gpt.post_process:
         yield WeightRule("decoder.final_layernorm.weight", ("model.norm.weight",), REPLICATED)
         head = "model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"
@@ -184,28 +277,50 @@ def weight_rules(model: nn.Module, config: LLMConfig) -> Iterator[WeightRule]:
             yield WeightRule("output_layer.weight", (head,), COLUMN)
 
 
-def _layer_rules(m: str, h: str, config: LLMConfig) -> Iterator[WeightRule]:
-    attn, mlp = f"{h}self_attn.", f"{h}mlp."
+def _layer_rules(m: str, layer: nn.Module, config: LLMConfig) -> Iterator[WeightRule]:
+    index = layer.layer_number - 1
+    h = f"model.layers.{index}."
+    attn = f"{h}self_attn."
     yield WeightRule(f"{m}input_layernorm.weight", (f"{h}input_layernorm.weight",), REPLICATED)
     yield WeightRule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",), REPLICATED)
     qkv = tuple(f"{attn}{p}_proj.weight" for p in "qkv")
     yield WeightRule(f"{m}self_attention.linear_qkv.weight", qkv, QKV)
     yield WeightRule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), ROW)
-    yield WeightRule(f"{m}mlp.linear_fc1.weight", (f"{mlp}gate_proj.weight", f"{mlp}up_proj.weight"), GATE_UP)
-    yield WeightRule(f"{m}mlp.linear_fc2.weight", (f"{mlp}down_proj.weight",), ROW)
     if config.attention_bias:
         yield WeightRule(
             f"{m}self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), QKV
         )
     if config.o_proj_bias:
         yield WeightRule(f"{m}self_attention.linear_proj.bias", (f"{attn}o_proj.bias",), REPLICATED)
-    if config.mlp_bias:
-        gate_up = (f"{mlp}gate_proj.bias", f"{mlp}up_proj.bias")
-        yield WeightRule(f"{m}mlp.linear_fc1.bias", gate_up, GATE_UP)
-        yield WeightRule(f"{m}mlp.linear_fc2.bias", (f"{mlp}down_proj.bias",), REPLICATED)
     if config.qk_norm:
         yield WeightRule(f"{m}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), REPLICATED)
         yield WeightRule(f"{m}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), REPLICATED)
+    if config.is_moe_layer(index):
+        yield from _moe_rules(f"{m}mlp.", f"{h}mlp.", layer.mlp, config)
+    else:
+        yield from _mlp_rules(f"{m}mlp.", f"{h}mlp.", bias=config.mlp_bias)
+
+
+def _mlp_rules(m: str, h: str, *, bias: bool = False, expert: bool = False) -> Iterator[WeightRule]:
+    """A SwiGLU MLP's rules: megatron ``linear_fc1`` / ``linear_fc2`` from HF ``gate_proj``, ``up_proj``, ``down_proj``."""
+    yield WeightRule(f"{m}linear_fc1.weight", (f"{h}gate_proj.weight", f"{h}up_proj.weight"), GATE_UP, expert)
+    yield WeightRule(f"{m}linear_fc2.weight", (f"{h}down_proj.weight",), ROW, expert)
+    if bias:
+        yield WeightRule(f"{m}linear_fc1.bias", (f"{h}gate_proj.bias", f"{h}up_proj.bias"), GATE_UP)
+        yield WeightRule(f"{m}linear_fc2.bias", (f"{h}down_proj.bias",), REPLICATED)
+
+
+def _moe_rules(m: str, h: str, moe_layer: nn.Module, config: LLMConfig) -> Iterator[WeightRule]:
+    """A MoE layer's rules: the router, this expert-parallel rank's experts and the shared expert."""
+    yield WeightRule(f"{m}router.weight", (f"{h}gate.weight",), REPLICATED)
+    # `local_expert_indices`: the global indices of the experts this expert-parallel rank holds, in order.
+    for i, e in enumerate(moe_layer.local_expert_indices):
+        yield from _mlp_rules(f"{m}experts.local_experts.{i}.", f"{h}experts.{e}.", expert=True)
+    if config.moe.shared_intermediate_size:
+        shared = "shared_expert" if config.moe.shared_expert_gate else "shared_experts"
+        yield from _mlp_rules(f"{m}shared_experts.", f"{h}{shared}.")
+        if config.moe.shared_expert_gate:
+            yield WeightRule(f"{m}shared_experts.gate_weight", (f"{h}shared_expert_gate.weight",), REPLICATED)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -254,7 +369,13 @@ def _fused_qkv(q: Tensor, k: Tensor, v: Tensor, config: LLMConfig) -> Tensor:
 
 @torch.no_grad()
 def load_hf_weights(
-    model: nn.Module, config: LLMConfig, read: Callable[[str], Tensor], tp_rank: int, tp_size: int
+    model: nn.Module,
+    config: LLMConfig,
+    read: Callable[[str], Tensor],
+    tp_rank: int,
+    tp_size: int,
+    *,
+    expert_tp: tuple[int, int] | None = None,
 ) -> None:
     """Fill one megatron model chunk from Hugging Face tensors; ``read`` is called only for the tensors it needs.
 
@@ -264,13 +385,16 @@ def load_hf_weights(
         read: returns the full HF tensor of a name (e.g. from a safetensors file or a state dict).
         tp_rank: this process's tensor-parallel rank.
         tp_size: tensor-parallel size.
+        expert_tp: (rank, size) in the expert-tensor-parallel group, which splits the routed experts (default:
+            ``tp_rank``, ``tp_size``; megatron's default expert TP size is the TP size).
 
     Raises:
         ValueError: a shard's shape differs from the parameter's (names both).
     """
     params = dict(unwrap(model).named_parameters())
     for rule in weight_rules(model, config):
-        shard = shard_for_rank(rule, [read(name) for name in rule.hf], config, tp_rank, tp_size)
+        rank, size = expert_tp if rule.expert and expert_tp is not None else (tp_rank, tp_size)
+        shard = shard_for_rank(rule, [read(name) for name in rule.hf], config, rank, size)
         param = params[rule.megatron]
         if shard.shape != param.shape:
             raise ValueError(

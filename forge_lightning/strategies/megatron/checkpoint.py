@@ -273,8 +273,25 @@ def check_optimizer_kind(path: Path, meta: Mapping[str, Any], kind: Mapping[str,
     )
 
 
+def check_expert_layout(path: Path, meta: Mapping[str, Any], ep: int) -> None:
+    """Raise ``ValueError`` when the optimizer state was written with expert parallelism and this run has none, or
+    the reverse: megatron-core gives the experts their own optimizer only when ``expert_model_parallel_size > 1``
+    (their gradients are reduced over another group), so the two store the optimizer state under other names."""
+    info = meta.get(INFO_KEY, {})
+    saved = (info.get("layout") or {}).get("expert_model_parallel_size", 1)
+    if info.get("optimizer") is None or (saved > 1) == (ep > 1):
+        return
+    raise ValueError(
+        f"{path} was written with expert_model_parallel_size={saved}, this run has {ep}: megatron-core keeps the "
+        "experts' optimizer state apart only when expert parallelism is on, so it does not resume across EP = 1 "
+        "and EP > 1. Resume with expert_model_parallel_size "
+        f"{'> 1' if saved > 1 else '= 1'}, or take its weights only (forge validate / test --ckpt_path, or "
+        "forge-convert megatron-to-hf and model.init_args.pretrained)"
+    )
+
+
 def describe_layout(meta: Mapping[str, Any]) -> str:
-    """``written at TP=2 PP=1 VPP=1 DP=1 by 2 processes`` from a checkpoint's ``meta.pt``."""
+    """``written at TP=2 PP=1 VPP=1 DP=1 EP=1 by 2 processes`` from a checkpoint's ``meta.pt``."""
     info = meta.get(INFO_KEY, {})
     layout = info.get("layout") or {}
     if not layout:
@@ -284,6 +301,7 @@ def describe_layout(meta: Mapping[str, Any]) -> str:
         f"PP={layout.get('pipeline_model_parallel_size', 1)}",
         f"VPP={layout.get('virtual_pipeline_model_parallel_size') or 1}",
         f"DP={layout.get('data_parallel_size', 1)}",
+        f"EP={layout.get('expert_model_parallel_size', 1)}",
     ]
     return f"written at {' '.join(degrees)} by {info.get('world_size', '?')} processes"
 

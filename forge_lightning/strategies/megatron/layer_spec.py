@@ -1,13 +1,15 @@
-"""Layer spec of the dense decoder for megatron-core: its own parallel linears, our norm and SDPA attention.
+"""Layer spec of the decoder for megatron-core: its own parallel linears and MoE layer, our norm and SDPA attention.
 
 megatron-core's local spec (no TransformerEngine) cannot do what the dense path needs: its torch norms refuse
 sequence parallelism and its ``DotProductAttention`` materialises the ``[b, heads, s, s]`` scores. This spec
-keeps megatron's column / row parallel linears, ``SelfAttention``, ``MLP`` and ``TransformerLayer`` and swaps in
+keeps megatron's column / row parallel linears, ``SelfAttention``, ``MLP``, ``MoELayer`` (router, all-to-all token
+dispatcher, ``SequentialMLP`` experts, shared expert) and ``TransformerLayer`` and swaps in
 
 * :class:`MegatronRMSNorm`: forge's RMSNorm (fp32 statistics, as Hugging Face) whose weight is tagged
   ``sequence_parallel`` so megatron all-reduces its gradient over the TP group when the sequence is sharded;
 * :class:`SDPACoreAttention`: causal ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient
-  kernels on CUDA, a math kernel on CPU).
+  kernels on CUDA, a math kernel on CPU); with context parallelism, Ulysses all-to-all attention over megatron's CP
+  group (megatron's own CP needs TransformerEngine's attention).
 
 With TransformerEngine importable, :func:`gpt_decoder_spec` uses megatron's TE layer spec instead.
 """
@@ -18,6 +20,7 @@ import importlib.util
 from typing import Any
 
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
@@ -25,13 +28,25 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+    get_transformer_layer_offset,
+)
 from torch import Tensor
 
 from forge_lightning.modules.layers.norms import RMSNorm
+from forge_lightning.strategies.context_parallel import (
+    ContextParallel,
+    to_head_parallel,
+    to_sequence_parallel,
+)
 
 
 def transformer_engine_available() -> bool:
@@ -58,6 +73,17 @@ class MegatronRMSNorm(RMSNorm):
 class SDPACoreAttention(MegatronModule):
     """Causal core attention on ``scaled_dot_product_attention``, in megatron's ``[s, b, heads, dim]`` layout.
 
+    With context parallelism (``config.context_parallel_size`` = P > 1) each rank holds ``S / P`` positions of the
+    sequence in megatron's load-balanced layout (rank ``r``: chunks ``r`` and ``2P - 1 - r`` of ``2P``, see
+    :func:`~forge_lightning.strategies.megatron.schedule.shard_on_context_parallel_rank`), and attention runs
+    Ulysses-style (:mod:`forge_lightning.strategies.context_parallel`) over megatron's CP group::
+
+        q, k, v [s/P, b, heads, D] ──all-to-all──▶ [b, heads/P, S, D] in sequence order ── causal SDPA ──▶
+                                   ──all-to-all──▶ [s/P, b, heads, D]
+
+    RoPE was applied before, at the global positions (megatron's rotary embedding selects this rank's chunks). When
+    the rank's key/value groups do not divide by ``P`` (e.g. MQA), they are repeated to the query heads first.
+
     Args:
         config: the transformer config.
         layer_number: 1-based layer index (unused; megatron passes it).
@@ -65,6 +91,7 @@ class SDPACoreAttention(MegatronModule):
         attention_type: ``self`` (megatron passes it).
         attention_dropout: dropout probability (default: ``config.attention_dropout``).
         softmax_scale: score scale (default: ``1 / sqrt(kv_channels)``).
+        pg_collection: megatron's process groups (its ``cp`` group; default: megatron's parallel state).
     """
 
     def __init__(
@@ -75,15 +102,19 @@ class SDPACoreAttention(MegatronModule):
         attention_type: str = "self",
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        pg_collection: Any = None,
         **_: Any,
     ) -> None:
         super().__init__(config=config)
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("context parallelism is not yet supported by SDPACoreAttention")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
         self.softmax_scale = softmax_scale
+        self.cp: ContextParallel | None = None
+        if config.context_parallel_size > 1:
+            group = getattr(pg_collection, "cp", None)
+            group = parallel_state.get_context_parallel_group() if group is None else group
+            self.cp = ContextParallel(group, load_balanced_chunk_order(config.context_parallel_size))
 
     def forward(
         self,
@@ -96,13 +127,21 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params: Any = None,
     ) -> Tensor:
         """Attention output ``[s, b, heads * dim]`` of ``query`` ``[s, b, heads, dim]`` and ``key`` / ``value``
-        ``[s, b, groups, dim]`` (causal; ``attention_mask`` is ignored)."""
+        ``[s, b, groups, dim]`` (causal; ``attention_mask`` is ignored; ``s`` is this rank's share under CP)."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("packed sequences and attention bias are not yet supported")
         s, b, heads, dim = query.shape
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         repeat = heads // k_BGSD.shape[1]
-        if repeat > 1:  # GQA: each key/value group serves `repeat` consecutive query heads
+        if repeat > 1 and (self.cp is None or k_BGSD.shape[1] % self.cp.size):
+            # GQA: each key/value group serves `repeat` consecutive query heads. Under CP, groups that do not split
+            # over the CP ranks are expanded to the query heads before the exchange.
+            k_BGSD = k_BGSD.repeat_interleave(repeat, dim=1)
+            v_BGSD = v_BGSD.repeat_interleave(repeat, dim=1)
+            repeat = 1
+        if self.cp is not None:  # [b, h, s/P, D] -> [b, h/P, S, D]: whole sequence, 1/P of the heads
+            q_BHSD, k_BGSD, v_BGSD = (to_head_parallel(t, self.cp) for t in (q_BHSD, k_BGSD, v_BGSD))
+        if repeat > 1:  # after the exchange, rank j's query heads are exactly those of its key/value groups
             k_BGSD = k_BGSD.repeat_interleave(repeat, dim=1)
             v_BGSD = v_BGSD.repeat_interleave(repeat, dim=1)
         out_BHSD = F.scaled_dot_product_attention(
@@ -113,14 +152,48 @@ class SDPACoreAttention(MegatronModule):
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
         )
+        if self.cp is not None:
+            out_BHSD = to_sequence_parallel(out_BHSD, self.cp)  # [b, h, s/P, D]
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, heads * dim)  # [s, b, heads * dim]
 
 
-def local_layer_spec(qk_norm: bool) -> ModuleSpec:
+def load_balanced_chunk_order(cp: int) -> tuple[int, ...]:
+    """megatron's causal load-balanced split: the sequence in ``2 * cp`` chunks, rank ``r`` holding ``r`` and
+    ``2 * cp - 1 - r`` (cp = 2: ``(0, 3, 1, 2)``), as listed for :class:`ContextParallel`."""
+    return tuple(c for r in range(cp) for c in (r, 2 * cp - 1 - r))
+
+
+def _define_missing_te_gemm() -> None:
+    """megatron-core 0.16.1's router GEMM tests ``te_general_gemm is not None``, a name it defines only when
+    TransformerEngine imports: without TE every MoE forward raises ``NameError``. Define it as ``None`` there (the
+    torch ``mm`` branch megatron then takes is its own fallback); with TE this changes nothing."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+def local_moe_spec() -> ModuleSpec:
+    """megatron's ``MoELayer`` from its own parallel linears: top-k router, token dispatcher, ``SequentialMLP``
+    experts (one GEMM per local expert; grouped GEMMs need TransformerEngine) and an optional shared expert."""
+    _define_missing_te_gemm()
+    linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+            shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears),
+        ),
+        metainfo={"fuse_pre_mlp_layernorm": False},
+    )
+
+
+def local_layer_spec(qk_norm: bool, *, moe: bool = False) -> ModuleSpec:
     """The decoder layer from megatron's parallel linears with :class:`MegatronRMSNorm` and SDPA attention.
 
     Args:
         qk_norm: per-head RMSNorm on queries and keys (Qwen3).
+        moe: a mixture-of-experts MLP (:func:`local_moe_spec`) instead of the dense one.
     """
     qk = MegatronRMSNorm if qk_norm else IdentityOp
     attention = ModuleSpec(
@@ -134,8 +207,13 @@ def local_layer_spec(qk_norm: bool) -> ModuleSpec:
             k_layernorm=qk,
         ),
     )
-    mlp = ModuleSpec(
-        module=MLP, submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
+    mlp = (
+        local_moe_spec()
+        if moe
+        else ModuleSpec(
+            module=MLP,
+            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+        )
     )
     return ModuleSpec(
         module=TransformerLayer,
@@ -156,20 +234,42 @@ def gpt_decoder_spec(
     """The decoder block of this pipeline stage: one layer spec per layer it builds, and the final norm.
 
     TransformerEngine's spec when TE is importable (or forced), else :func:`local_layer_spec` with
-    :class:`MegatronRMSNorm` as the final norm (megatron's default torch norm refuses sequence parallelism).
+    :class:`MegatronRMSNorm` as the final norm (megatron's default torch norm refuses sequence parallelism). With
+    ``num_moe_experts`` set, layer ``i`` is a MoE layer where ``moe_layer_freq[i]`` (a per-layer list) is 1.
 
     Args:
-        config: the transformer config (layer count, pipeline layout, ``qk_layernorm``).
+        config: the transformer config (layer count, pipeline layout, ``qk_layernorm``, MoE layer pattern).
         vp_stage: virtual pipeline stage of the model chunk being built.
         use_transformer_engine: force the choice (``None``: TE when importable).
     """
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
+    moe_layers = _moe_layer_pattern(config)[offset : offset + num_layers]
     if use_te:
         from megatron.core.extensions.transformer_engine import TENorm
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        layer = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=config.qk_layernorm)
-        return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TENorm)
-    layer = local_layer_spec(config.qk_layernorm)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=MegatronRMSNorm)
+        specs = {
+            moe: get_gpt_layer_with_transformer_engine_spec(
+                num_experts=config.num_moe_experts if moe else None,
+                moe_grouped_gemm=False,
+                qk_layernorm=config.qk_layernorm,
+            )
+            for moe in set(moe_layers)
+        }
+        return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in moe_layers], layer_norm=TENorm)
+    specs = {moe: local_layer_spec(config.qk_layernorm, moe=moe) for moe in set(moe_layers)}
+    return TransformerBlockSubmodules(
+        layer_specs=[specs[moe] for moe in moe_layers], layer_norm=MegatronRMSNorm
+    )
+
+
+def _moe_layer_pattern(config: TransformerConfig) -> list[bool]:
+    """Whether each of the model's layers is a MoE layer (``moe_layer_freq``: a per-layer list or a period)."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    return [bool(x) for x in freq]

@@ -8,8 +8,9 @@ import torch
 from torch import nn
 
 from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.llm.hf import split_experts
 from forge_lightning.modules.llm.megatron import build_gpt_model, transformer_config, unwrap
-from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec
+from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec, transformer_engine_available
 
 
 def validate_degrees(world_size: int, degrees: dict[str, Any]) -> int:
@@ -20,19 +21,26 @@ def validate_degrees(world_size: int, degrees: dict[str, Any]) -> int:
         degrees: the strategy's options (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ...).
 
     Raises:
-        NotImplementedError: context or expert parallelism above 1 (not yet supported).
         ValueError: inconsistent degrees, named in the message.
     """
     tp, pp = degrees["tensor_model_parallel_size"], degrees["pipeline_model_parallel_size"]
-    vpp = degrees["virtual_pipeline_model_parallel_size"]
+    vpp, ep = degrees["virtual_pipeline_model_parallel_size"], degrees["expert_model_parallel_size"]
+    cp = degrees["context_parallel_size"]
     named = ", ".join(f"{k}={v}" for k, v in degrees.items()) + f", world size={world_size}"
-    for option in ("context_parallel_size", "expert_model_parallel_size"):
-        if degrees[option] != 1:
-            raise NotImplementedError(f"{option}={degrees[option]} is not yet supported by MegatronStrategy")
-    if min(tp, pp) < 1 or (vpp is not None and vpp < 1):
+    if min(tp, pp, cp, ep) < 1 or (vpp is not None and vpp < 1):
         raise ValueError(f"every parallel degree must be at least 1: {named}")
-    if world_size % (tp * pp):
-        raise ValueError(f"tensor x pipeline model parallel size must divide the world size: {named}")
+    if world_size % (tp * pp * cp):
+        raise ValueError(
+            f"tensor x pipeline model parallel x context parallel size must divide the world size: {named}"
+        )
+    if (world_size // (tp * pp)) % ep:
+        # megatron-core lays the expert-parallel ranks over the data- and context-parallel ones (each
+        # expert-parallel group splits the experts over EP ranks of one TP / PP position), so EP must divide
+        # DP x CP = world / (TP x PP).
+        raise ValueError(
+            f"expert_model_parallel_size ({ep}) must divide the data-parallel size times the context-parallel "
+            f"size, world / (tensor x pipeline model parallel size) = {world_size // (tp * pp)}: {named}"
+        )
     if vpp is not None and vpp > 1 and pp == 1:
         raise ValueError(
             f"virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1: {named}"
@@ -41,7 +49,7 @@ def validate_degrees(world_size: int, degrees: dict[str, Any]) -> int:
         raise ValueError(f"sequence_parallel needs tensor_model_parallel_size > 1: {named}")
     if degrees["overlap_param_gather"] and not degrees["use_distributed_optimizer"]:
         raise ValueError(f"overlap_param_gather needs use_distributed_optimizer: {named}")
-    return world_size // (tp * pp)
+    return world_size // (tp * pp * cp)
 
 
 def _llm_config_of(module: nn.Module) -> LLMConfig:
@@ -87,10 +95,16 @@ def build_chunks(
             f"num_layers ({config.num_layers}) must be divisible by pipeline_model_parallel_size ({pp}) x "
             f"virtual_pipeline_model_parallel_size ({vpp})"
         )
+    _check_experts(config, degrees["expert_model_parallel_size"])
+    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    if not use_te:  # TransformerEngine's attention brings its own context parallelism (ring attention)
+        check_ulysses_heads(config, degrees["tensor_model_parallel_size"], degrees["context_parallel_size"])
     tf_config = transformer_config(
         config,
         tensor_model_parallel_size=degrees["tensor_model_parallel_size"],
         pipeline_model_parallel_size=pp,
+        context_parallel_size=degrees["context_parallel_size"],
+        expert_model_parallel_size=degrees["expert_model_parallel_size"],
         virtual_pipeline_model_parallel_size=degrees["virtual_pipeline_model_parallel_size"],
         sequence_parallel=degrees["sequence_parallel"],
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -102,15 +116,53 @@ def build_chunks(
         chunk = build_gpt_model(
             config,
             tf_config,
-            gpt_decoder_spec(tf_config, vp_stage=vp_stage, use_transformer_engine=use_transformer_engine),
+            gpt_decoder_spec(tf_config, vp_stage=vp_stage, use_transformer_engine=use_te),
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
         )
         chunks.append(chunk.to(device))
-    weights = module.model.state_dict()
+    # Hugging Face file names: the module keeps each layer's experts as 3-D tensors, the rules name them one by one.
+    weights = split_experts(module.model.state_dict())
     load_state(chunks, config, weights.__getitem__)
     return [Float16Module(tf_config, chunk) if bf16 else chunk for chunk in chunks]
+
+
+def check_ulysses_heads(config: LLMConfig, tp: int, cp: int) -> None:
+    """Raise ``ValueError`` unless Ulysses context parallelism can split this TP rank's query heads over CP ranks.
+
+    Each context-parallel rank attends over the whole sequence for ``1 / cp`` of the rank's query heads (see
+    :class:`~forge_lightning.strategies.megatron.layer_spec.SDPACoreAttention`). Key/value heads need not divide:
+    when they do not, they are repeated to the query heads before the exchange (more bytes, same result).
+
+    Args:
+        config: the decoder's configuration (``num_heads``).
+        tp: ``tensor_model_parallel_size``.
+        cp: ``context_parallel_size``.
+    """
+    if cp == 1 or (config.num_heads // tp) % cp == 0:
+        return
+    raise ValueError(
+        f"context_parallel_size ({cp}) must divide the query heads of each tensor-parallel rank, num_heads "
+        f"({config.num_heads}) / tensor_model_parallel_size ({tp}) = {config.num_heads // tp}: Ulysses attention "
+        "gives each context-parallel rank a share of the heads over the whole sequence"
+    )
+
+
+def _check_experts(config: LLMConfig, ep: int) -> None:
+    """Raise ``ValueError`` unless ``expert_model_parallel_size`` fits the model's experts."""
+    if ep == 1:
+        return
+    if config.moe is None or not config.num_moe_layers:
+        raise ValueError(
+            f"expert_model_parallel_size ({ep}) needs a mixture-of-experts model; {config.architecture} has no "
+            "experts (use expert_model_parallel_size=1)"
+        )
+    if config.moe.num_experts % ep:
+        raise ValueError(
+            f"expert_model_parallel_size ({ep}) must divide moe.num_experts ({config.moe.num_experts}): each "
+            "expert-parallel rank holds the same number of experts"
+        )
 
 
 def wrap_ddp(

@@ -5,11 +5,13 @@
     micro-batches of the step ──> get_forward_backward_func()  (no pipelining | 1F1B | interleaved 1F1B)
                                    forward_step: GPTModel(input_ids, labels) -> per-token loss [b, s] (last stage)
                                    loss: sum over trainable tokens (labels != ignore_index), token count
-                                   finalize_model_grads: DP all-reduce, tied-embedding sync, grads / global tokens
+                                   finalize_model_grads: DP x CP all-reduce, tied-embedding sync, grads / global tokens
 
 With ``calculate_per_token_loss`` the schedule sums the token counts of every micro-batch and megatron's
-``finalize_model_grads`` all-reduces that count over data-parallel ranks and divides the gradients by it: the
-gradient of (sum of token losses of the global batch) / (its trainable tokens), the one batch rule's loss.
+``finalize_model_grads`` all-reduces that count over data- and context-parallel ranks and divides the gradients by
+it: the gradient of (sum of token losses of the global batch) / (its trainable tokens), the one batch rule's loss.
+With context parallelism each micro-batch is first cut to this rank's share of the sequence
+(:func:`shard_on_context_parallel_rank`); megatron's DDP all-reduces the gradients over the DP x CP group.
 """
 
 from __future__ import annotations
@@ -33,11 +35,42 @@ def forward_step(ignore_index: int, data_iterator: Iterator[dict[str, Tensor]], 
     batch = next(data_iterator)
     if batch.get("document_ids") is not None:
         raise NotImplementedError("packed batches (document_ids) are not yet supported by MegatronStrategy")
+    batch = shard_on_context_parallel_rank(batch)
     labels = batch["labels"]
     mask = labels != ignore_index
     # Ignored positions get a valid class id; their loss is masked out below.
     output = model(batch["input_ids"], None, None, labels=labels.masked_fill(~mask, 0))
     return output, partial(masked_loss_sum, mask)
+
+
+def shard_on_context_parallel_rank(batch: dict[str, Tensor]) -> dict[str, Tensor]:
+    """This context-parallel rank's share of the micro-batch's ``input_ids`` and ``labels`` (``[b, S]`` ->
+    ``[b, S / CP]``), in megatron's load-balanced layout (``get_batch_on_this_cp_rank``).
+
+    The sequence is cut into ``2 * CP`` chunks and rank ``r`` keeps chunks ``r`` and ``2 * CP - 1 - r`` (CP = 2: rank 0
+    positions ``[0, S/4) + [3S/4, S)``), the order megatron's rotary embedding assumes when it picks this rank's
+    positions; labels are cut the same way, so each rank's loss is over its own tokens.
+
+    Args:
+        batch: one micro-batch (the same on every rank of the CP group).
+
+    Raises:
+        ValueError: the sequence length is not divisible by ``2 * CP``.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    cp = parallel_state.get_context_parallel_world_size()
+    if cp == 1:
+        return batch
+    seq = batch["input_ids"].shape[1]
+    if seq % (2 * cp):
+        raise ValueError(
+            f"context_parallel_size={cp} splits each sequence into 2 x {cp} = {2 * cp} chunks (megatron's causal "
+            f"load-balanced layout): the sequence length ({seq}) must be divisible by {2 * cp}; change "
+            "data.seq_length"
+        )
+    return {**batch, **get_batch_on_this_cp_rank({k: batch[k] for k in ("input_ids", "labels")})}
 
 
 def masked_loss_sum(mask: Tensor, losses_BS: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
@@ -63,7 +96,8 @@ def run_schedule(
         forward_only: evaluation (no backward, no gradient finalisation).
 
     Returns:
-        ``[loss sum, trainable tokens]`` (float64) of this data-parallel rank's micro-batches, on every pipeline
+        ``[loss sum, trainable tokens]`` (float64) of this rank's micro-batches (its share of the sequence under
+        context parallelism: sum over the data- and context-parallel ranks for the batch's), on every pipeline
         stage (broadcast from the last).
     """
     from megatron.core import parallel_state
@@ -130,3 +164,48 @@ def eval_micro_batches(batch: dict[str, Tensor], count: int, *, ignore_index: in
         return [{**batch, **{k: parts[k][i] for k in keys}} for i in range(count)]
     padding = {**batch, "labels": torch.full_like(batch["labels"], ignore_index)}
     return [batch] + [padding] * (count - 1)
+
+
+def router_loss_metrics(config: Any, num_micro_batches: int) -> dict[str, Tensor]:
+    """The MoE router losses of the step that just ran, as the native ``CausalLM`` logs them; clears megatron's
+    tracker. Collective over the pipeline, tensor x context and data-parallel groups (empty dict for a dense model).
+
+    megatron's tracker holds, per layer and summed over the step's micro-batches, each router's loss divided by
+    its coefficient: the load-balancing loss ``E / K * sum_e f_e * P_e`` (a partial sum per sequence- or
+    context-parallel rank) and the z-loss (a mean over the rank's tokens). Logged: ``train/router_aux_loss`` (times K, so that
+    balanced routing gives K as natively) and ``train/router_z_loss``, each a mean over MoE layers, micro-batches
+    and data-parallel ranks.
+
+    Args:
+        config: the model's ``TransformerConfig`` (``moe_router_topk``, ``moe_layer_freq``).
+        num_micro_batches: micro-batches of the step on each data-parallel rank.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    if not getattr(config, "num_moe_experts", None):
+        return {}
+    tracker = get_moe_layer_wise_logging_tracker()
+    freq = config.moe_layer_freq
+    num_moe_layers = sum(freq) if isinstance(freq, list) else len(range(0, config.num_layers, freq))
+    metrics = {}
+    # Summed per layer over the TP x CP ranks' partial sums (load balancing) or averaged over their token means (z).
+    tp_cp = parallel_state.get_tensor_and_context_parallel_group()
+    for name, key, scale, shard_mean in (
+        ("load_balancing_loss", "train/router_aux_loss", config.moe_router_topk, False),
+        ("z_loss", "train/router_z_loss", 1, True),
+    ):
+        if name not in tracker:
+            continue
+        values = tracker[name]["values"].clone()
+        torch.distributed.all_reduce(values, group=parallel_state.get_pipeline_model_parallel_group())
+        torch.distributed.all_reduce(values, group=tp_cp)
+        torch.distributed.all_reduce(values, group=parallel_state.get_data_parallel_group())
+        shards = torch.distributed.get_world_size(tp_cp) if shard_mean else 1
+        dp = parallel_state.get_data_parallel_world_size()
+        metrics[key] = (values.sum() * scale / (num_moe_layers * num_micro_batches * dp * shards)).float()
+    clear_aux_losses_tracker()
+    return metrics

@@ -1,4 +1,4 @@
-"""``MegatronStrategy``: megatron-core (TP / PP / VPP / SP, DDP, DistributedOptimizer) as a Lightning backend.
+"""``MegatronStrategy``: megatron-core (TP / PP / VPP / SP / CP / EP, DDP, DistributedOptimizer) as a Lightning backend.
 
 The LightningModule stays what it is under every strategy (e.g. ``CausalLM`` with its ``LLMConfig``); this
 strategy builds the module's megatron-core twin (``forge_lightning.modules.llm.megatron``), copies the module's
@@ -17,7 +17,8 @@ TP / PP / VPP / DP layout.
 
 The one batch rule maps onto megatron's knobs: ``data.batch_size`` is megatron's micro-batch size,
 ``accumulate_grad_batches`` its number of micro-batches, and the global batch is their product times the
-data-parallel size (world / (TP × PP)).
+data-parallel size (world / (TP × PP × CP)). The ranks of a context-parallel group share one data rank's batch, each
+with its share of every sequence.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ from forge_lightning.strategies.megatron.optimizer import build_megatron_optimiz
 from forge_lightning.strategies.megatron.schedule import (
     check_interleaved_micro_batches,
     eval_micro_batches,
+    router_loss_metrics,
     run_schedule,
 )
 
@@ -65,7 +67,7 @@ _PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16-true": T
 class MegatronStrategy(ParallelStrategy):
     """megatron-core as a Lightning strategy, with megatron-core's option names.
 
-    Registered as ``megatron``. Data parallelism is what the world has left: ``world / (TP × PP)`` ranks.
+    Registered as ``megatron``. Data parallelism is what the world has left: ``world / (TP × PP × CP)`` ranks.
 
     Args:
         tensor_model_parallel_size: TP ranks (keep within a node); must divide heads, key/value heads and vocab.
@@ -73,8 +75,12 @@ class MegatronStrategy(ParallelStrategy):
         virtual_pipeline_model_parallel_size: model chunks per stage (interleaved 1F1B; ``accumulate_grad_batches``
             must be a multiple of PP); ``None``: one.
         sequence_parallel: with TP, shard norms / dropout / residual stream on the sequence.
-        context_parallel_size: accepted for the option's name; only 1 is supported yet.
-        expert_model_parallel_size: accepted for the option's name; only 1 is supported yet (dense models).
+        context_parallel_size: CP ranks sharing each sequence (megatron's load-balanced layout: ``2 × CP`` chunks,
+            rank ``r`` holding ``r`` and ``2·CP − 1 − r``); attention is Ulysses all-to-all over the CP group
+            (without TransformerEngine), so CP must divide the query heads per TP rank and ``2 × CP`` the
+            sequence length.
+        expert_model_parallel_size: EP ranks splitting each MoE layer's routed experts (all-to-all token
+            dispatch); must divide DP × CP and ``moe.num_experts``. 1 for dense models.
         use_distributed_optimizer: shard optimizer state and fp32 main weights over data-parallel ranks.
         overlap_grad_reduce: overlap the gradient reduce(-scatter) with backward (bucketed).
         overlap_param_gather: overlap the DistributedOptimizer's parameter all-gather with the next forward.
@@ -166,12 +172,15 @@ class MegatronStrategy(ParallelStrategy):
             tensor_model_parallel_size=self.tensor_model_parallel_size,
             pipeline_model_parallel_size=self.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
+            context_parallel_size=self.context_parallel_size,
+            expert_model_parallel_size=self.expert_model_parallel_size,
         )
         model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
         self._parallel_ready = True
         rank_zero_info(
             f"{type(self).__name__}: TP={self.tensor_model_parallel_size} x PP={self.pipeline_model_parallel_size}"
-            f" (VPP={self.virtual_pipeline_model_parallel_size or 1}) x DP={dp} over {self.world_size} processes; "
+            f" (VPP={self.virtual_pipeline_model_parallel_size or 1}) x CP={self.context_parallel_size} x DP={dp} (EP="
+            f"{self.expert_model_parallel_size}) over {self.world_size} processes; "
             f"sequence_parallel={self.sequence_parallel}, distributed optimizer={self.use_distributed_optimizer}"
         )
 
@@ -199,7 +208,8 @@ class MegatronStrategy(ParallelStrategy):
 
     @property
     def data_parallel_size(self) -> int:
-        """Number of data-parallel ranks (world / (TP × PP)); ranks of one model replica share a data rank."""
+        """Number of data-parallel ranks (world / (TP × PP × CP)); the ranks of one model replica and of one
+        context-parallel group share a data rank."""
         return self._require_parallel("data_parallel_size").get_data_parallel_world_size()
 
     @property
@@ -229,11 +239,12 @@ class MegatronStrategy(ParallelStrategy):
     def reduce(
         self, tensor: torch.Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> torch.Tensor | Any:
-        """Reduce over the data-parallel ranks only (the ranks of one model replica hold the same values)."""
+        """Reduce over the data- and context-parallel ranks (the TP / PP ranks of one model replica hold the same
+        values; context-parallel ranks hold different tokens of the same batch, like data-parallel ones)."""
         if not isinstance(tensor, torch.Tensor):
             return tensor
-        dp_group = self._require_parallel("reduce").get_data_parallel_group()
-        return _sync_ddp_if_available(tensor, group if group is not None else dp_group, reduce_op)
+        dp_cp_group = self._require_parallel("reduce").get_data_parallel_group(with_context_parallel=True)
+        return _sync_ddp_if_available(tensor, group if group is not None else dp_cp_group, reduce_op)
 
     # ----- building the twin ------------------------------------------------------------------------------------
     @override
@@ -302,6 +313,9 @@ class MegatronStrategy(ParallelStrategy):
         sums = self.reduce(sums, reduce_op="sum")
         loss = (sums[0] / sums[1].clamp_min(1)).float()
         self.lightning_module.log("train/loss", loss, prog_bar=True, rank_zero_only=True)
+        config = twin.unwrap(self._chunks[0]).config
+        for name, value in router_loss_metrics(config, len(batches)).items():  # MoE models only
+            self.lightning_module.log(name, value, rank_zero_only=True)
         return loss
 
     @override
@@ -435,6 +449,7 @@ class MegatronStrategy(ParallelStrategy):
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         if optimizer is not None:
             ckpt.check_optimizer_kind(path, meta, self._optimizer_kind())
+            ckpt.check_expert_layout(path, meta, self.expert_model_parallel_size)
         template = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=True)
         checkpoint = self.checkpoint_io.load_checkpoint(path, sharded_state_dict=template)
         ckpt.load_into(self._chunks, optimizer, checkpoint.pop(ckpt.SHARDED_KEY))

@@ -1,0 +1,187 @@
+"""Shared by the MoE twin tests and their 2-process worker: tiny MoE configs, the native reference and the twin's run.
+
+Both sides see the same weights (a seeded native ``DecoderLM``, router weights scaled up so that no token sits near
+a routing tie) and the same micro-batches; each returns the loss parts and the gradients under Hugging Face names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.llm.hf import split_experts
+from forge_lightning.modules.llm.model import DecoderLM
+
+# Qwen3-MoE (q/k norm, renormalised top-2 of 8, both layers MoE, no router losses); Qwen2-MoE (q/k/v bias,
+# top-2 softmax probabilities kept, a shared expert with its sigmoid gate, layer 0 dense and layer 1 MoE, both
+# router losses: with one MoE layer megatron's per-layer losses equal the native pooled ones); Qwen3-MoE with the
+# load-balancing loss in both layers (pooled natively, per layer in megatron: compared on its own).
+MOE_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(
+        moe=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True)
+    ),
+    "qwen2_moe": dict(
+        architecture="qwen2_moe",
+        qk_norm=False,
+        attention_bias=True,
+        moe=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            shared_intermediate_size=48,
+            shared_expert_gate=True,
+            layer_step=2,
+            aux_loss_coef=0.01,
+            z_loss_coef=0.001,
+        ),
+    ),
+    "qwen3_moe_aux": dict(
+        moe=dict(
+            num_experts=8,
+            num_experts_per_tok=2,
+            intermediate_size=32,
+            norm_topk_prob=True,
+            aux_loss_coef=0.01,
+        )
+    ),
+}
+
+
+def moe_config(name: str) -> LLMConfig:
+    return LLMConfig.from_preset("debug-moe", **MOE_CONFIGS[name])
+
+
+def native_model(config: LLMConfig, seed: int = 0) -> DecoderLM:
+    """A seeded fp32 native model with well-separated routing and non-trivial norms and biases."""
+    torch.manual_seed(seed)
+    model = DecoderLM(config).float()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.mul_(25.0)  # router logits of std ~3: top-k choices far from ties
+            elif name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(0.1 * torch.randn_like(param))
+    return model
+
+
+def micro_batches(
+    config: LLMConfig, count: int, size: int = 2, seq: int = 16
+) -> list[dict[str, torch.Tensor]]:
+    """``count`` micro-batches of ``size`` rows; every label is trainable (next token)."""
+    g = torch.Generator().manual_seed(1)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, config.vocab_size, (size, seq + 1), generator=g)
+        out.append({"input_ids": ids[:, :-1].contiguous(), "labels": ids[:, 1:].contiguous()})
+    return out
+
+
+def native_reference(model: DecoderLM, batches: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Native loss parts and gradients over ``batches`` as one global batch (the one batch rule).
+
+    The LM loss is the token mean over all batches; each micro-batch's weighted router losses count with its share
+    of the tokens (the native mean over micro-batches / DP ranks, which is megatron's weighting when every token
+    is trainable).
+    """
+    moe = model.config.moe
+    model.zero_grad()
+    total = sum(b["labels"].numel() for b in batches)
+    lm_sum, router, aux, per_layer = 0.0, 0.0, [], []
+    for b in batches:
+        logits = model(b["input_ids"])
+        ce = F.cross_entropy(logits.flatten(0, 1), b["labels"].flatten(), reduction="sum")
+        losses = model.router_losses()
+        weighted = moe.aux_loss_coef * losses.aux_loss + moe.z_loss_coef * losses.z_loss
+        share = b["labels"].numel() / total
+        (ce / total + weighted * share).backward()
+        lm_sum += ce.item()
+        router += weighted.item() * share
+        aux.append(losses.aux_loss.item())
+        stats = [block.stats for block in model.moe_blocks()]
+        per_layer.append([_balancing_loss(s.tokens_per_expert, s.prob_sum, s.num_tokens) for s in stats])
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    return {
+        "lm_loss": lm_sum / total,
+        "router_loss": router,
+        "aux_loss": aux,  # per micro-batch, pooled over the MoE layers (natively)
+        "aux_per_layer": per_layer,  # per micro-batch and MoE layer (megatron's)
+        "grads": split_experts(grads),
+    }
+
+
+def _balancing_loss(counts_E: torch.Tensor, prob_sum_E: torch.Tensor, tokens: int) -> float:
+    """One layer's Switch load-balancing loss ``E * sum_e f_e * P_e`` (the native formula for that layer alone)."""
+    return (counts_E.numel() * (counts_E / tokens * prob_sum_E / tokens).sum()).item()
+
+
+def build_twin(model: DecoderLM, **degrees: Any) -> list[torch.nn.Module]:
+    """The strategy's DDP-wrapped twin of ``model`` at the layout of ``degrees`` (parallel state already set)."""
+    from types import SimpleNamespace
+
+    from forge_lightning.strategies.megatron.model import build_chunks, wrap_ddp
+
+    degrees = {
+        "tensor_model_parallel_size": 1,
+        "pipeline_model_parallel_size": 1,
+        "virtual_pipeline_model_parallel_size": None,
+        "context_parallel_size": 1,
+        "expert_model_parallel_size": 1,
+        "sequence_parallel": False,
+        "overlap_param_gather": False,
+        "use_distributed_optimizer": False,
+        **degrees,
+    }
+    module = SimpleNamespace(config=model.config, model=model)  # what build_chunks reads of a CausalLM
+    chunks = build_chunks(
+        module, degrees, device=torch.device("cpu"), bf16=False, use_transformer_engine=False
+    )
+    return wrap_ddp(chunks, degrees, overlap_grad_reduce=False)
+
+
+def megatron_run(
+    chunks: list[torch.nn.Module], config: LLMConfig, batches: list[dict[str, torch.Tensor]]
+) -> dict:
+    """Forward + backward of ``batches`` through the strategy's schedule on DDP-wrapped ``chunks``.
+
+    Returns (on global rank 0 for the gradients) the summed loss and tokens of this DP rank, megatron's per-layer
+    load-balancing losses as tracked (``aux / coeff``, summed over micro-batches and ranks) and the finalised
+    gradients (divided by the global batch's tokens) under Hugging Face names.
+    """
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    from forge_lightning.modules.llm.megatron import unwrap
+    from forge_lightning.strategies.megatron.schedule import run_schedule
+
+    unwrap(chunks[0]).config.finalize_model_grads_func = finalize_model_grads
+    clear_aux_losses_tracker()
+    for chunk in chunks:
+        chunk.train()
+        chunk.zero_grad_buffer()
+    sums = run_schedule(chunks, batches, ignore_index=-100, forward_only=False)
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracked = {k: v["values"].clone() for k, v in tracker.items()}
+    return {"sums": sums, "tracked": tracked, "grads": hf_gradients(chunks, config)}
+
+
+def hf_gradients(chunks: list[torch.nn.Module], config: LLMConfig) -> dict[str, torch.Tensor]:
+    """The chunks' finalised gradients (megatron DDP's ``main_grad``) gathered under Hugging Face names, on global
+    rank 0: the weights' export path run on the gradients."""
+    from forge_lightning.modules.llm.megatron import unwrap
+    from forge_lightning.strategies.megatron.bridge import export_hf_state
+
+    params = [p for chunk in chunks for p in unwrap(chunk).parameters()]
+    saved = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.main_grad
+        return export_hf_state(chunks, config)
+    finally:
+        for p, data in zip(params, saved, strict=True):
+            p.data = data

@@ -1,0 +1,121 @@
+"""Context parallelism under MegatronStrategy: the twin at CP = 2 (Ulysses attention, megatron's load-balanced
+sequence split) gives the native model's loss and gradients on one process; unsupported layouts are refused.
+
+Same weights, same micro-batches (2 of 2 x 16 tokens), fp32: the 2-process worker (``context_parallel_worker.py``)
+runs the twin at TP = PP = 1, CP = 2 (dense and MoE; the MoE twins also with EP = 2 over the CP ranks) through the
+strategy's schedule and megatron's gradient finalisation; every gradient is gathered under its Hugging Face name
+and compared with the native ``DecoderLM`` under the one batch rule.
+``forge fit`` at CP = 2 against the default strategy is in test_strategy.py.
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+from conftest import free_port
+from context_parallel_worker import DENSE_CONFIGS, cp_config
+from moe_reference import micro_batches, native_model, native_reference
+
+from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.strategies.megatron import schedule
+from forge_lightning.strategies.megatron.model import check_ulysses_heads, validate_degrees
+
+HERE = Path(__file__).resolve().parent
+MOE_NAMES = ["qwen3_moe", "qwen2_moe"]
+NAMES = [*DENSE_CONFIGS, *MOE_NAMES]
+LM_TOL = 1e-5  # |twin at CP = 2 - native| LM loss
+GRAD_RTOL = 1e-5  # max |twin - native| per gradient tensor / its max |native|
+
+
+def _dense_reference(model, batches) -> dict:
+    """Native LM loss (token mean over all micro-batches) and its gradients."""
+    model.zero_grad()
+    total = sum(b["labels"].numel() for b in batches)
+    lm_sum = 0.0
+    for b in batches:
+        ce = F.cross_entropy(model(b["input_ids"]).flatten(0, 1), b["labels"].flatten(), reduction="sum")
+        (ce / total).backward()
+        lm_sum += ce.item()
+    return {"lm_loss": lm_sum / total, "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
+
+
+def test_context_parallel_twin_matches_native(tmp_path):
+    out = tmp_path / "runs.pt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    cmd += ["--master-port", str(free_port()), str(HERE / "context_parallel_worker.py"), str(out)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([*cmd, "cp2,cp2_ep2", *NAMES], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    runs = torch.load(out, weights_only=False)
+    assert sorted(runs) == sorted([("cp2", n) for n in NAMES] + [("cp2_ep2", n) for n in MOE_NAMES])
+    references = {}
+    for (layout, name), run in runs.items():
+        config = cp_config(name)
+        if name not in references:
+            model, batches = native_model(config), micro_batches(config, 2)
+            references[name] = (
+                native_reference(model, batches) if config.moe else _dense_reference(model, batches)
+            )
+        ref = references[name]
+        loss = (run["sums"][0] / run["sums"][1]).item()
+        assert run["sums"][1].item() == 2 * 2 * 16, name  # every token counted once over the CP ranks
+        assert abs(loss - ref["lm_loss"]) <= LM_TOL, (layout, name, loss, ref["lm_loss"])
+        assert sorted(run["grads"]) == sorted(ref["grads"]), name
+        rel = {
+            k: ((g - ref["grads"][k]).abs().max() / ref["grads"][k].abs().max()).item()
+            for k, g in run["grads"].items()
+        }
+        worst = max(rel, key=rel.get)
+        assert rel[worst] <= GRAD_RTOL, (layout, name, worst, rel[worst])
+
+
+_DEGREES = dict(
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    context_parallel_size=2,
+    expert_model_parallel_size=1,
+    sequence_parallel=False,
+    overlap_param_gather=False,
+    use_distributed_optimizer=False,
+)
+
+
+def test_context_parallel_degrees():
+    assert validate_degrees(2, _DEGREES) == 1
+    assert validate_degrees(8, {**_DEGREES, "tensor_model_parallel_size": 2}) == 2  # DP = 8 / (TP 2 x CP 2)
+    with pytest.raises(ValueError, match="context parallel size must divide the world size"):
+        validate_degrees(3, _DEGREES)
+    with pytest.raises(ValueError, match="must be at least 1"):
+        validate_degrees(2, {**_DEGREES, "context_parallel_size": 0})
+    # Expert parallelism is laid over DP x CP, as megatron-core does.
+    assert validate_degrees(2, {**_DEGREES, "expert_model_parallel_size": 2}) == 1
+
+
+def test_heads_must_split_over_context_parallel_ranks():
+    config = LLMConfig.from_preset("debug")  # 4 query heads, 2 key/value heads
+    check_ulysses_heads(config, tp=1, cp=4)
+    check_ulysses_heads(LLMConfig.from_preset("debug", num_kv_heads=1), tp=1, cp=2)  # MQA: repeated
+    with pytest.raises(ValueError, match=r"context_parallel_size \(3\) must divide .* num_heads \(4\)"):
+        check_ulysses_heads(config, tp=1, cp=3)
+    with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(2\) = 2"):
+        check_ulysses_heads(config, tp=2, cp=4)
+
+
+def test_sequence_length_and_packed_batches_are_refused(monkeypatch):
+    from megatron.core import parallel_state
+
+    monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
+    batch = {
+        "input_ids": torch.zeros(2, 30, dtype=torch.long),
+        "labels": torch.zeros(2, 30, dtype=torch.long),
+    }
+    with pytest.raises(ValueError, match=r"sequence length \(30\) must be divisible by 4"):
+        schedule.shard_on_context_parallel_rank(batch)
+    packed = {**batch, "document_ids": torch.zeros(2, 30, dtype=torch.long)}
+    with pytest.raises(NotImplementedError, match="packed batches"):
+        schedule.forward_step(-100, iter([packed]), model=None)
