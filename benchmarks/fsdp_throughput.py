@@ -8,7 +8,9 @@ Each path is one ``torchrun`` launch on the same GPUs and the same random tokens
   FP8 all-gather) — the path a user runs with ``forge fit``. Compressed-communication variants:
   ``forge-fsdp2-rs-bf16`` / ``-rs-fp8`` (``gradient_reduce``), ``forge-fsdp2-delta`` (``param_all_gather:
   delta_fp8``), ``forge-ddp-bf16`` / ``-fp8`` (``comm_hook``); ``forge-ddp-torch-defaults``: DDP with torch's
-  bucket defaults.
+  bucket defaults. Layout variants: ``forge-fsdp2-keep`` / ``forge-fsdp2-fp8-keep`` (``reshard_after_forward:
+  false``: no backward re-gather, the unsharded weights stay between forward and backward), ``forge-fsdp2-sac``
+  (selective activation checkpointing, for larger micro-batches).
 - ``hf-fsdp2`` / ``hf-fsdp2-ac``: what a user writes today: the transformers model with ``fully_shard`` per
   decoder layer and on the root (same mixed precision), SDPA attention, optionally gradient checkpointing,
   fused AdamW, a plain loop. ``hf-ddp``: the transformers model under ``DistributedDataParallel`` with bf16
@@ -44,6 +46,13 @@ PEAK_TFLOPS = 989.0
 FORGE_PATHS: dict[str, tuple[str, dict, dict]] = {
     "forge-fsdp2": ("fsdp2", {}, {}),
     "forge-fsdp2-fp8": ("fsdp2", {}, {"fp8": {"recipe": "tensorwise", "fsdp_all_gather": True}}),
+    "forge-fsdp2-keep": ("fsdp2", {"reshard_after_forward": False}, {}),
+    "forge-fsdp2-fp8-keep": (
+        "fsdp2",
+        {"reshard_after_forward": False},
+        {"fp8": {"recipe": "tensorwise", "fsdp_all_gather": True}},
+    ),
+    "forge-fsdp2-sac": ("fsdp2", {}, {"activation_checkpointing": "selective"}),
     "forge-fsdp2-rs-bf16": ("fsdp2", {"gradient_reduce": "bf16"}, {}),
     "forge-fsdp2-rs-fp8": ("fsdp2", {"gradient_reduce": "fp8"}, {}),
     "forge-fsdp2-delta": ("fsdp2", {"param_all_gather": "delta_fp8"}, {}),

@@ -16,6 +16,7 @@ frozen flags), never a model family, logs one line and keeps parameter names unc
 from __future__ import annotations
 
 import fnmatch
+import functools
 from typing import Any
 
 import torch
@@ -173,24 +174,38 @@ def apply_activation_checkpointing(plan: ParallelPlan, mode: str, save_ops: tupl
     """
     if mode == "none":
         return
-    from torch.distributed._composable import checkpoint
-
-    kwargs: dict[str, Any] = {}
-    if mode == "selective":
-        kwargs["context_fn"] = _selective_context(save_ops)
+    context_fn = _selective_context(save_ops) if mode == "selective" else None
     count = 0
     for comp in plan:
         if comp.frozen:
             continue
         for block in comp.blocks:
-            checkpoint(block, **kwargs)
+            _checkpoint_forward(block, context_fn)
             count += 1
     rank_zero_info(f"activation checkpointing ({mode}): {count} blocks")
 
 
-def _selective_context(save_ops: tuple[str, ...]) -> Any:
-    from functools import partial
+def _checkpoint_forward(block: nn.Module, context_fn: Any | None) -> None:
+    """Run ``block.forward`` under non-reentrant ``torch.utils.checkpoint`` (parameter names unchanged).
 
+    The checkpoint wraps the forward method, not the module call: hooks on the module (FSDP2's all-gather and
+    reshard) stay outside the checkpointed region in forward and in the backward recompute alike. The composable
+    ``checkpoint`` API enters the region from a module pre-hook instead, so FSDP2's hooks ran inside it in one of
+    the two passes, and selective checkpointing met ops in the recompute it had not recorded in forward.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    forward = block.forward
+    extra = {} if context_fn is None else {"context_fn": context_fn}
+
+    @functools.wraps(forward)
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> Any:
+        return checkpoint(forward, *args, use_reentrant=False, **extra, **kwargs)
+
+    block.forward = checkpointed_forward
+
+
+def _selective_context(save_ops: tuple[str, ...]) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
     saved = {_aten_op(name) for name in save_ops}
@@ -199,7 +214,7 @@ def _selective_context(save_ops: tuple[str, ...]) -> Any:
     def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
         return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-    return partial(create_selective_checkpoint_contexts, policy)
+    return functools.partial(create_selective_checkpoint_contexts, policy)
 
 
 def _aten_op(name: str) -> Any:

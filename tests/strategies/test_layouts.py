@@ -119,7 +119,8 @@ def test_fsdp2_with_activation_checkpointing_and_dcp_resume_on_one_process(runne
     [
         ("hsdp_2x1", ["--trainer.strategy", "forge_lightning.strategies.FSDP2Strategy",
                       "--trainer.strategy.data_parallel_replicate_size", "2"]),
-        ("hsdp_1x2", ["--trainer.strategy", "hsdp"]),
+        # selective checkpointing under FSDP2: its hooks must stay outside the checkpointed region
+        ("hsdp_1x2", ["--trainer.strategy", "hsdp", "--performance.activation_checkpointing", "selective"]),
     ],
 )  # fmt: skip
 def test_hsdp_matches_one_process(runner, name, args):
