@@ -264,7 +264,50 @@ class KVCache:
         self.length = 0
 
 
-class Attention(nn.Module):
+class SelfAttention(nn.Module):
+    """Causal self-attention over a KV cache: what :class:`Attention` and MLA's ``MultiLatentAttention`` share.
+
+    A subclass builds ``o_proj`` and implements :meth:`queries_keys_values` (its own projections, RoPE and cache
+    layout); the forward, the kernel call and the output projection are these.
+    """
+
+    o_proj: nn.Linear
+
+    def queries_keys_values(
+        self, x_BSD: Tensor, rope: tuple[Tensor, Tensor], kv_cache: KVCache | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries ``[B, H, S, D]`` of ``x`` and keys / values ``[B, K, L, D]`` of every attended position.
+
+        ``kv_cache`` (``None``: no cache) receives this layer's new entries; ``L`` counts the cached positions
+        and the new ones.
+        """
+        raise NotImplementedError
+
+    def forward(
+        self,
+        x_BSD: Tensor,
+        rope: tuple[Tensor, Tensor],
+        *,
+        kv_cache: KVCache | None = None,
+        mask: Tensor | None = None,
+        documents: DocumentMask | None = None,
+    ) -> Tensor:
+        """Attend ``x`` ``[B, S, hidden]`` to itself (and to ``kv_cache``'s positions); return ``[B, S, hidden]``.
+
+        Args:
+            x_BSD: normalised hidden states.
+            rope: ``(cos, sin)`` for the new positions, from :class:`~forge_lightning.modules.layers.RotaryEmbedding`.
+            kv_cache: this layer's cache; the new entries are appended to it.
+            mask: optional extra mask, see :func:`attention`.
+            documents: packed-document mask, see :func:`attention`.
+        """
+        B, S, _ = x_BSD.shape
+        q, k, v = self.queries_keys_values(x_BSD, rope, kv_cache)
+        out_BHSD = attention(q, k, v, causal=True, mask=mask, documents=documents)
+        return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, -1))
+
+
+class Attention(SelfAttention):
     """Multi-head self-attention with grouped key/value heads (GQA / MQA), RoPE and optional per-head q/k norm.
 
     Submodule names follow Hugging Face (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, ``q_norm``, ``k_norm``).
@@ -313,24 +356,9 @@ class Attention(nn.Module):
         """Apply the rotary embedding ``(cos, sin)`` ``[B, S, D/2]`` to queries or keys ``[B, S, heads, D]``."""
         return apply_rotary(x_BSHD, cos, sin)
 
-    def forward(
-        self,
-        x_BSD: Tensor,
-        rope: tuple[Tensor, Tensor],
-        *,
-        kv_cache: KVCache | None = None,
-        mask: Tensor | None = None,
-        documents: DocumentMask | None = None,
-    ) -> Tensor:
-        """Attend ``x`` ``[B, S, hidden]`` to itself (and to ``kv_cache``'s positions); return ``[B, S, hidden]``.
-
-        Args:
-            x_BSD: normalised hidden states.
-            rope: ``(cos, sin)`` for the new positions, from :class:`~forge_lightning.modules.layers.RotaryEmbedding`.
-            kv_cache: this layer's cache; the new keys/values are appended to it.
-            mask: optional extra mask, see :func:`attention`.
-            documents: packed-document mask, see :func:`attention`.
-        """
+    def queries_keys_values(
+        self, x_BSD: Tensor, rope: tuple[Tensor, Tensor], kv_cache: KVCache | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
         B, S, _ = x_BSD.shape
         # Head counts come from the projections' outputs, so a tensor-parallel shard sees its local heads.
         q_BSHD = self.q_norm(self.q_proj(x_BSD).view(B, S, -1, self.head_dim))
@@ -340,5 +368,4 @@ class Attention(nn.Module):
         q, k, v = q_BSHD.transpose(1, 2), k_BSKD.transpose(1, 2), v_BSKD.transpose(1, 2)  # [B, heads, S, D]
         if kv_cache is not None:
             k, v = kv_cache.update(k, v)
-        out_BHSD = attention(q, k, v, causal=True, mask=mask, documents=documents)
-        return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, -1))
+        return q, k, v

@@ -10,8 +10,8 @@ no-rope query/key and value sizes)::
                                └─ k_rot [B,S,1,R] ─ RoPE ─ (cache) ─ shared by every head ┐  ├─ k_nope, v
                                                          k = [k_nope | k_rot], v ─ attention() ─ o_proj
 
-The attention kernel and the rotary helpers are those of :mod:`forge_lightning.modules.layers.attention` and
-:mod:`~forge_lightning.modules.layers.rope`; the softmax scale is ``1 / sqrt(N + R)``.
+The forward (cache, masks, kernel, ``o_proj``) is :class:`~forge_lightning.modules.layers.attention.SelfAttention`'s
+and the rotary helpers are :mod:`~forge_lightning.modules.layers.rope`'s; the softmax scale is ``1 / sqrt(N + R)``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor, nn
 
-from forge_lightning.modules.layers.attention import DocumentMask, KVCache, attention
+from forge_lightning.modules.layers.attention import KVCache, SelfAttention
 from forge_lightning.modules.layers.mlp import init_linear
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import apply_rotary
@@ -57,7 +57,7 @@ class LatentKVCache(KVCache):
         self.length = 0
 
 
-class MultiLatentAttention(nn.Module):
+class MultiLatentAttention(SelfAttention):
     """Multi-head latent attention with decoupled RoPE; submodule names follow Hugging Face's DeepSeek-V3.
 
     Args:
@@ -120,23 +120,13 @@ class MultiLatentAttention(nn.Module):
             x_BSHR = torch.cat((x_BSHR[..., 0::2], x_BSHR[..., 1::2]), dim=-1)
         return apply_rotary(x_BSHR, *rope)
 
-    def forward(
-        self,
-        x_BSD: Tensor,
-        rope: tuple[Tensor, Tensor],
-        *,
-        kv_cache: KVCache | None = None,
-        mask: Tensor | None = None,
-        documents: DocumentMask | None = None,
-    ) -> Tensor:
-        """Attend ``x`` ``[B, S, hidden]`` to itself (and to ``kv_cache``'s positions); return ``[B, S, hidden]``.
+    def queries_keys_values(
+        self, x_BSD: Tensor, rope: tuple[Tensor, Tensor], kv_cache: KVCache | None
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """Queries, and per-head keys / values rebuilt from the latents of every attended position.
 
-        Args:
-            x_BSD: normalised hidden states.
-            rope: ``(cos, sin)`` of size ``qk_rope_head_dim / 2`` for the new positions.
-            kv_cache: this layer's :class:`LatentKVCache`; the new latents are appended to it.
-            mask: optional extra mask, see :func:`~forge_lightning.modules.layers.attention.attention`.
-            documents: packed-document mask, see :func:`~forge_lightning.modules.layers.attention.attention`.
+        ``rope`` has size ``qk_rope_head_dim / 2``; ``kv_cache`` is a :class:`LatentKVCache`, which receives the
+        new latents and rotated shared keys.
         """
         B, S, _ = x_BSD.shape
         # Head counts come from the projections' outputs, so a tensor-parallel shard sees its local heads.
@@ -156,10 +146,7 @@ class MultiLatentAttention(nn.Module):
         q_BHSQ = torch.cat((q_nope_BSHN, self._rotate(q_rot_BSHR, rope)), dim=-1).transpose(1, 2)
         k_rot_BHLR = k_rot_B1SR.expand(B, heads, L, self.rope_dim)
         k_BHLQ = torch.cat((k_nope_BLHN.transpose(1, 2), k_rot_BHLR), dim=-1)
-        out_BHSV = attention(
-            q_BHSQ, k_BHLQ, v_BLHV.transpose(1, 2), causal=True, mask=mask, documents=documents
-        )
-        return self.o_proj(out_BHSV.transpose(1, 2).reshape(B, S, -1))
+        return q_BHSQ, k_BHLQ, v_BLHV.transpose(1, 2)
 
     def tp_plan(self) -> dict[str, str]:
         """Tensor-parallel styles of submodules (relative names): none, MLA stays replicated.

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -330,17 +330,23 @@ class MoEBlock(nn.Module):
         return out_TD.view_as(x_BSD)
 
 
-class SharedExpertsMoE(MoEBlock):
-    """Routed experts plus an ungated shared SwiGLU ``shared_experts`` (DeepSeek-V3).
+class _SharedExpertMoE(MoEBlock):
+    """Routed experts plus an always-active shared SwiGLU; the two families below differ only in its name and gate.
+
+    The shared expert is registered as ``shared_name`` (the family's Hugging Face name, so checkpoints load
+    as they are); with ``gated`` its output is scaled by ``sigmoid(shared_expert_gate(x))`` per token.
 
     Args:
         hidden_size: model width.
         router: the layer's router.
         num_experts: routed experts.
         intermediate_size: SwiGLU width of one routed expert.
-        shared_intermediate_size: SwiGLU width of the shared expert(s) (``n_shared_experts`` experts as one).
+        shared_intermediate_size: SwiGLU width of the shared expert (DeepSeek: ``n_shared_experts`` experts as one).
         init_std: standard deviation of the normal initialisation.
     """
+
+    shared_name: ClassVar[str]
+    gated: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -353,59 +359,39 @@ class SharedExpertsMoE(MoEBlock):
         init_std: float,
     ) -> None:
         super().__init__(hidden_size, router, num_experts, intermediate_size, init_std=init_std)
-        self.shared_experts = GatedMLP(hidden_size, shared_intermediate_size, init_std=init_std)
-
-    def shared_output(self, x_TD: Tensor) -> Tensor:
-        return self.shared_experts(x_TD)
-
-    def tp_plan(self) -> dict[str, str]:
-        return {
-            "shared_experts.gate_proj": "colwise",
-            "shared_experts.up_proj": "colwise",
-            "shared_experts.down_proj": "rowwise",
-        }
-
-
-class GatedSharedExpertMoE(MoEBlock):
-    """Routed experts plus a shared SwiGLU scaled by ``sigmoid(shared_expert_gate(x))`` per token (Qwen2-MoE).
-
-    Args:
-        hidden_size: model width.
-        router: the layer's router.
-        num_experts: routed experts.
-        intermediate_size: SwiGLU width of one routed expert.
-        shared_intermediate_size: SwiGLU width of the shared expert.
-        init_std: standard deviation of the normal initialisation.
-    """
-
-    def __init__(
-        self,
-        hidden_size: int,
-        router: nn.Module,
-        num_experts: int,
-        intermediate_size: int,
-        shared_intermediate_size: int,
-        *,
-        init_std: float,
-    ) -> None:
-        super().__init__(hidden_size, router, num_experts, intermediate_size, init_std=init_std)
-        self.shared_expert = GatedMLP(hidden_size, shared_intermediate_size, init_std=init_std)
-        self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
+        self.add_module(self.shared_name, GatedMLP(hidden_size, shared_intermediate_size, init_std=init_std))
+        if self.gated:
+            self.shared_expert_gate = nn.Linear(hidden_size, 1, bias=False)
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        init_linear(self.shared_expert_gate, self.experts.init_std)
+        if self.gated:
+            init_linear(self.shared_expert_gate, self.experts.init_std)
 
     def shared_output(self, x_TD: Tensor) -> Tensor:
-        return torch.sigmoid(self.shared_expert_gate(x_TD)) * self.shared_expert(x_TD)
+        shared_TD = getattr(self, self.shared_name)(x_TD)
+        if self.gated:
+            return torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
+        return shared_TD
 
     def tp_plan(self) -> dict[str, str]:
-        # The scalar gate stays replicated: it reads the full hidden state.
-        return {
-            "shared_expert.gate_proj": "colwise",
-            "shared_expert.up_proj": "colwise",
-            "shared_expert.down_proj": "rowwise",
-        }
+        # A scalar gate stays replicated: it reads the full hidden state.
+        styles = {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+        return {f"{self.shared_name}.{proj}": style for proj, style in styles.items()}
+
+
+class SharedExpertsMoE(_SharedExpertMoE):
+    """Routed experts plus an ungated shared SwiGLU ``shared_experts`` (DeepSeek-V3); arguments as
+    :class:`_SharedExpertMoE`."""
+
+    shared_name = "shared_experts"
+
+
+class GatedSharedExpertMoE(_SharedExpertMoE):
+    """Routed experts plus a shared SwiGLU ``shared_expert`` scaled by ``sigmoid(shared_expert_gate(x))`` per token
+    (Qwen2-MoE); arguments as :class:`_SharedExpertMoE`."""
+
+    shared_name, gated = "shared_expert", True
 
 
 def router_losses(blocks: Sequence[MoEBlock]) -> RouterLosses:
