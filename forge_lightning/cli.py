@@ -60,6 +60,20 @@ class ForgeCLI(LightningCLI):
         """
 
     @override
+    def instantiate_classes(self) -> None:
+        """Build the model under :func:`deferred_pretrained` when the strategy reads its own shards of the
+        pretrained weights (``reads_pretrained_shards``, e.g. megatron): no rank then loads the full model."""
+        config = self.config.get(self.subcommand) if self.subcommand else self.config
+        strategy = config.get("trainer", {}).get("strategy") if config is not None else None
+        if _reads_pretrained_shards(strategy):
+            from forge_lightning.modules.llm.module import deferred_pretrained
+
+            with deferred_pretrained():
+                super().instantiate_classes()
+        else:
+            super().instantiate_classes()
+
+    @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
         callbacks = list(callbacks)
         configured = list(config.get("callbacks") or [])
@@ -82,12 +96,32 @@ def _accepts_checkpoint_io(strategy: Any) -> bool:
     ``strategy`` is an instance, or a registered short name (``fsdp2``, ``megatron``...) resolved through
     Lightning's strategy registry.
     """
+    return not getattr(_resolve_strategy(strategy), "owns_checkpoint_io", False)
+
+
+def _reads_pretrained_shards(strategy: Any) -> bool:
+    """Whether the configured strategy builds its model from the pretrained files itself, each rank reading its
+    own shards (``reads_pretrained_shards``, e.g. megatron)."""
+    return bool(getattr(_resolve_strategy(strategy), "reads_pretrained_shards", False))
+
+
+def _resolve_strategy(strategy: Any) -> Any:
+    """The strategy instance or class of a registered short name, a ``class_path`` namespace not yet
+    instantiated, or an instance (``None`` when unknown)."""
     if isinstance(strategy, str):
         from lightning.pytorch.strategies import StrategyRegistry
 
         name = strategy.lower()
-        strategy = StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
-    return not getattr(strategy, "owns_checkpoint_io", False)
+        return StrategyRegistry[name]["strategy"] if name in StrategyRegistry else None
+    if strategy is not None and not isinstance(strategy, type) and hasattr(strategy, "class_path"):
+        import importlib
+
+        module, _, name = str(strategy.class_path).rpartition(".")
+        try:
+            return getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError):
+            return None  # jsonargparse reports a bad class_path itself
+    return strategy
 
 
 def main(args: list[str] | None = None) -> None:

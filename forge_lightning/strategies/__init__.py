@@ -22,6 +22,7 @@ def _megatron_strategy(**kwargs: object) -> object:
 
 
 _megatron_strategy.owns_checkpoint_io = True  # as MegatronStrategy (read without importing megatron-core)
+_megatron_strategy.reads_pretrained_shards = True
 
 
 def _register() -> None:

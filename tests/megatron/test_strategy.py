@@ -136,3 +136,29 @@ def test_distributed_optimizer_matches_one_process(runner):
         "0",
     )
     _assert_same_losses(rows, runner.reference)
+
+
+def test_pretrained_weights_read_per_rank_match_one_process(runner, tmp_path):
+    """``model.init_args.pretrained`` under megatron: the CLI leaves the native model on the meta device and each
+    TP rank reads its shards from the files; the losses are those of the native path loading the full model."""
+    import torch
+    import yaml
+
+    from forge_lightning.modules.llm import CausalLM
+
+    torch.manual_seed(123)  # weights unlike the seed-7 random initialisation of the reference
+    config = yaml.safe_load(TINY_YAML.read_text())["model"]["init_args"]["config"]
+    CausalLM(config=config).save_pretrained(tmp_path / "hf")
+    pretrained = ("--model.init_args.pretrained", str(tmp_path / "hf"), "--trainer.limit_val_batches", "0")
+    reference = runner("pretrained_reference", *pretrained, devices=1, batch=4)
+    assert _column(reference, "train/loss")[0] != _column(runner.reference, "train/loss")[0]
+    rows = runner(
+        "pretrained_tp2",
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.tensor_model_parallel_size",
+        "2",
+        *pretrained,
+        batch=4,
+    )
+    _assert_same_losses(rows, reference)

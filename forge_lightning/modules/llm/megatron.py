@@ -357,14 +357,69 @@ def shard_for_rank(
     return _fused_qkv(*tensors, config).chunk(size, dim=0)[rank]
 
 
-def _fused_qkv(q: Tensor, k: Tensor, v: Tensor, config: LLMConfig) -> Tensor:
-    """megatron's fused QKV rows: for each key/value group, its query heads, then its key, then its value."""
-    groups, d = config.num_kv_heads, config.head_dim
-    per_group = config.num_heads // groups
+def _fused_qkv(q: Tensor, k: Tensor, v: Tensor, config: LLMConfig, groups: int | None = None) -> Tensor:
+    """megatron's fused QKV rows: for each key/value group, its query heads, then its key, then its value.
+
+    ``groups``: the key/value groups ``q``, ``k``, ``v`` hold (default: all of them, ``config.num_kv_heads``).
+    """
+    groups, d = groups or config.num_kv_heads, config.head_dim
+    per_group = config.num_heads // config.num_kv_heads
     q_G = q.reshape(groups, per_group * d, *q.shape[1:])  # [ng, heads/group * D, (H)]
     k_G = k.reshape(groups, d, *k.shape[1:])  # [ng, D, (H)]
     v_G = v.reshape(groups, d, *v.shape[1:])
     return torch.cat([q_G, k_G, v_G], dim=1).reshape(-1, *q.shape[1:])  # [ng * (heads/group + 2) * D, (H)]
+
+
+def _chunk_range(n: int, size: int, rank: int) -> slice:
+    """The indices of ``torch.arange(n).chunk(size)[rank]`` as a slice (chunks of ``ceil(n / size)``)."""
+    step = -(-n // size)
+    start = min(rank * step, n)
+    return slice(start, min(start + step, n))
+
+
+def shard_indices(
+    rule: WeightRule, shapes: list[tuple[int, ...]], config: LLMConfig, rank: int, size: int
+) -> list[tuple[slice, ...]]:
+    """The part of each Hugging Face tensor of ``rule`` that this TP rank's shard is made of (see
+    :func:`assemble_shard`): whole tensors (replicated), a block of rows (column, gate_up), of columns (row), or
+    of the rows of this rank's key/value groups (qkv). ``shard_for_rank`` of the full tensors equals
+    ``assemble_shard`` of these parts.
+
+    Args:
+        rule: the parameter's rule.
+        shapes: the full shapes of the tensors named by ``rule.hf``, in that order.
+        config: the decoder's configuration.
+        rank: tensor-parallel rank.
+        size: tensor-parallel size.
+    """
+    if rule.kind == REPLICATED:
+        return [()]
+    if rule.kind in (COLUMN, GATE_UP):
+        return [(_chunk_range(shape[0], size, rank),) for shape in shapes]
+    if rule.kind == ROW:
+        shape = shapes[0]
+        return [(slice(None),) * (len(shape) - 1) + (_chunk_range(shape[-1], size, rank),)]
+    groups, d = config.num_kv_heads, config.head_dim
+    if groups % size:
+        raise ValueError(
+            f"{rule.megatron}: num_kv_heads ({groups}) must be divisible by tensor_model_parallel_size ({size})"
+        )
+    g = _chunk_range(groups, size, rank)  # this rank's key/value groups
+    per_group = config.num_heads // groups
+    return [
+        (slice(g.start * per_group * d, g.stop * per_group * d),),
+        (slice(g.start * d, g.stop * d),),
+        (slice(g.start * d, g.stop * d),),
+    ]
+
+
+def assemble_shard(rule: WeightRule, parts: list[Tensor], config: LLMConfig, size: int) -> Tensor:
+    """This TP rank's megatron shard of ``rule``'s parameter from the parts :func:`shard_indices` names."""
+    if rule.kind == GATE_UP:
+        return torch.cat(parts, dim=0)  # [gate rows of rank r; up rows of rank r]
+    if rule.kind == QKV:
+        return _fused_qkv(*parts, config, groups=config.num_kv_heads // size)
+    return parts[0]
 
 
 @torch.no_grad()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +63,22 @@ def _as(cls: type, value: Any) -> Any:
     return cls(**value) if isinstance(value, dict) else value
 
 
+_DEFER_PRETRAINED: ContextVar[bool] = ContextVar("defer_pretrained", default=False)
+
+
+@contextmanager
+def deferred_pretrained() -> Iterator[None]:
+    """Within it, ``CausalLM(pretrained=...)`` leaves its weights in the files: the native model is built on the
+    meta device, and a strategy that builds its own model from the directory (``MegatronStrategy``, whose
+    ``reads_pretrained_shards`` the CLI checks) reads on each rank only that rank's shards. Without LoRA only.
+    """
+    token = _DEFER_PRETRAINED.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_PRETRAINED.reset(token)
+
+
 class CausalLM(pl.LightningModule):
     """Decoder-only language model (Llama / Qwen2 / Qwen3 / Mistral style) built from a Hugging Face config.
 
@@ -70,7 +89,8 @@ class CausalLM(pl.LightningModule):
     Args:
         config: HF config: a model directory, a ``config.json`` path, a dict, or a preset name (see
             ``forge_lightning.modules.llm.config.PRESETS``).
-        pretrained: HF model directory to load weights from (``None``: random initialisation).
+        pretrained: HF model directory to load weights from (``None``: random initialisation). Under
+            :func:`deferred_pretrained` the weights stay in the files and the native model on the meta device.
         optimizer: optimizer settings (the CLI fills it from the top-level ``optimizer`` section).
         scheduler: learning-rate schedule (the CLI fills it from the top-level ``scheduler`` section).
         generation: decoding settings for ``predict`` and samples.
@@ -118,9 +138,15 @@ class CausalLM(pl.LightningModule):
                 "lora": None if self.lora_config is None else dataclasses.asdict(self.lora_config),
             }
         )
-        self.model = DecoderLM(self.config, attention_backend=self.performance.attention.packed)
-        if pretrained is not None:
-            load_pretrained(self.model, pretrained)
+        self.pretrained = None if pretrained is None else str(pretrained)
+        if pretrained is not None and _DEFER_PRETRAINED.get() and self.lora_config is None:
+            # A strategy reads its own shards of the files (see deferred_pretrained): no full copy on this rank.
+            with torch.device("meta"):
+                self.model = DecoderLM(self.config, attention_backend=self.performance.attention.packed)
+        else:
+            self.model = DecoderLM(self.config, attention_backend=self.performance.attention.packed)
+            if pretrained is not None:
+                load_pretrained(self.model, pretrained)
         # The PEFT wrapper is kept outside the module tree: the adapted layers already live in self.model.
         self.__dict__["_peft_model"] = None
         if self.lora_config is not None:

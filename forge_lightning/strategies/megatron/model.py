@@ -76,6 +76,10 @@ def build_chunks(
 ) -> list[nn.Module]:
     """This rank's model chunks (one per virtual stage), holding the module's current weights.
 
+    A module whose native model is on the meta device (``CausalLM`` built under
+    :func:`~forge_lightning.modules.llm.module.deferred_pretrained`) has its ``pretrained`` directory read
+    instead, each rank reading only its own shards (see :func:`~.bridge.load_hf_checkpoint`).
+
     Args:
         module: the LightningModule (its ``config`` is an :class:`LLMConfig`, its ``model`` the HF-named weights).
         degrees: the strategy's options.
@@ -86,7 +90,7 @@ def build_chunks(
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
 
-    from forge_lightning.strategies.megatron.bridge import load_state
+    from forge_lightning.strategies.megatron.bridge import load_hf_checkpoint, load_state
 
     config = _llm_config_of(module)
     pp, vpp = degrees["pipeline_model_parallel_size"], degrees["virtual_pipeline_model_parallel_size"] or 1
@@ -122,9 +126,20 @@ def build_chunks(
             vp_stage=vp_stage,
         )
         chunks.append(chunk.to(device))
-    # Hugging Face file names: the module keeps each layer's experts as 3-D tensors, the rules name them one by one.
-    weights = split_experts(module.model.state_dict())
-    load_state(chunks, config, weights.__getitem__)
+    pretrained = getattr(module, "pretrained", None)
+    if any(p.is_meta for p in module.model.parameters()):
+        # Deferred pretrained weights (see CausalLM): each rank reads its own shards from the files.
+        if pretrained is None:
+            raise ValueError(
+                f"{type(module).__name__}.model is on the meta device and names no pretrained directory to read "
+                "its weights from; pass model.init_args.pretrained or build the module with materialised weights"
+            )
+        load_hf_checkpoint(chunks, config, pretrained)
+    else:
+        # The module's own (materialised) weights. Hugging Face names: the module keeps each layer's experts as
+        # 3-D tensors, the rules name them one by one.
+        weights = split_experts(module.model.state_dict())
+        load_state(chunks, config, weights.__getitem__)
     return [Float16Module(tf_config, chunk) if bf16 else chunk for chunk in chunks]
 
 

@@ -91,6 +91,8 @@ class MegatronStrategy(ParallelStrategy):
 
     strategy_name = "megatron"
     owns_checkpoint_io = True
+    # The CLI builds the module under `deferred_pretrained`: each rank reads its shards of model.init_args.pretrained.
+    reads_pretrained_shards = True
 
     def __init__(
         self,
@@ -470,7 +472,17 @@ class MegatronStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        super().teardown()
+        module = self.lightning_module
+        if module is not None and any(p.is_meta for p in module.parameters()):
+            # Deferred pretrained weights (see CausalLM): the native model holds no data and never left the CPU,
+            # so Strategy.teardown's `module.cpu()` (which cannot copy meta tensors) is skipped.
+            module.cpu = lambda: module  # type: ignore[method-assign]
+            try:
+                super().teardown()
+            finally:
+                del module.cpu
+        else:
+            super().teardown()
         if self._parallel_ready:
             from megatron.core import parallel_state
 
