@@ -1,6 +1,8 @@
 """megatron-core tests: the CPU shim, a one-process gloo world and tiny random Hugging Face models."""
 
+import os
 import socket
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,6 +35,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def torchrun(script: Path, *args: object, nproc: int = 2, timeout: float = 300) -> None:
+    """Run ``script`` under ``torch.distributed.run`` on ``nproc`` gloo processes; fail with its output's tail."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc)]
+    cmd += ["--master-port", str(free_port()), str(script), *map(str, args)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
 @pytest.fixture(scope="session")

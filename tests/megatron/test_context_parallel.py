@@ -8,15 +8,12 @@ and compared with the native ``DecoderLM`` under the one batch rule.
 ``forge fit`` at CP = 2 against the default strategy is in test_strategy.py.
 """
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import free_port
+from conftest import torchrun
 from context_parallel_worker import DENSE_CONFIGS, cp_config
 from moe_reference import micro_batches, native_model, native_reference
 
@@ -45,11 +42,7 @@ def _dense_reference(model, batches) -> dict:
 
 def test_context_parallel_twin_matches_native(tmp_path):
     out = tmp_path / "runs.pt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    cmd += ["--master-port", str(free_port()), str(HERE / "context_parallel_worker.py"), str(out)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, "cp2,cp2_ep2", *NAMES], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(HERE / "context_parallel_worker.py", out, "cp2,cp2_ep2", *NAMES)
     runs = torch.load(out, weights_only=False)
     assert sorted(runs) == sorted([("cp2", n) for n in NAMES] + [("cp2_ep2", n) for n in MOE_NAMES])
     references = {}

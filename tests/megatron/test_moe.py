@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import torchrun
 from moe_reference import build_twin, megatron_run, micro_batches, moe_config, native_model, native_reference
 
 from forge_lightning.modules.llm.config import LLMConfig
@@ -78,25 +78,8 @@ def test_load_balancing_loss_is_per_layer_in_megatron(megatron_world):
 
 def test_expert_tensor_and_pipeline_parallel_match_native(tmp_path):
     names = ["qwen3_moe", "qwen2_moe"]
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     out = tmp_path / "runs.pt"
-    proc = subprocess.run(
-        [*cmd, str(HERE / "moe_worker.py"), str(out), *names],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(HERE / "moe_worker.py", out, *names)
     runs = torch.load(out, weights_only=False)
     assert sorted(runs) == sorted((layout, n) for layout in ("ep2", "tp2_sp", "pp2") for n in names)
     for (layout, name), run in runs.items():

@@ -2,14 +2,11 @@
 megatron parameters are bit-identical to filling them from the full native model (the reference path)."""
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import free_port
+from conftest import torchrun
 from safetensors.torch import load_file, save_file
 
 import forge_lightning.modules.llm.hf as hf_io
@@ -148,24 +145,7 @@ def test_two_processes_tp_pp_ep_read_only_their_shards(hf_models, tmp_path):
     }
     args = [f"{a}:{hf_models[a][0]}:{tp}:{pp}:{ep}" for a, (tp, pp, ep) in cases.items()]
     out = tmp_path / "results.json"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        str(free_port()),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [*cmd, str(HERE / "sliced_load_worker.py"), str(out), *args],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    torchrun(HERE / "sliced_load_worker.py", out, *args)
     for rank, results in enumerate(json.loads(out.read_text())):
         assert len(results) == len(cases)
         for case, r in results.items():
