@@ -86,7 +86,9 @@ def _run(
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buffer)
         return fut
-    stream = state.streams.setdefault(buffer.device, torch.cuda.Stream(buffer.device))
+    if buffer.device not in state.streams:  # one side stream per device, made on the first bucket
+        state.streams[buffer.device] = torch.cuda.Stream(buffer.device)
+    stream = state.streams[buffer.device]
     stream.wait_stream(torch.cuda.current_stream(buffer.device))
     with torch.cuda.stream(stream):
         reduce_()
