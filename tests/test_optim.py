@@ -2,9 +2,11 @@ import math
 
 import pytest
 import torch
+from lightning.pytorch import LightningModule, Trainer
 from torch import nn
 
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, lr_lambda, param_groups
+from forge_lightning.optim.clipping import UnscaledGradientClipping
 
 
 class _Tiny(nn.Module):
@@ -66,3 +68,44 @@ def test_wsd_and_constant_schedules():
     assert lr_lambda(25, sqrt, 100) == pytest.approx(1 - math.sqrt(0.25))
     with pytest.raises(ValueError, match="scheduler.name"):
         SchedulerConfig(name="step")
+
+
+class _ClippedFused(UnscaledGradientClipping, LightningModule):
+    """A linear model with large gradients, trained with fused AdamW; records the gradient norm at each step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+        self.norms: list[float] = []
+
+    def training_step(self, batch, batch_idx):
+        return (self.layer(batch[0]) * 100.0).square().mean()
+
+    def configure_optimizers(self):
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, fused=True)
+        optimizer.register_step_post_hook(
+            lambda opt, args, kwargs: self.norms.append(
+                float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.parameters()])))
+            )
+        )
+        return optimizer
+
+
+def test_gradient_clipping_with_a_fused_optimizer_under_bf16_autocast(tmp_path):
+    """Lightning's mixed-precision plugin refuses to clip for fused optimizers; without a scaler it is exact."""
+    data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(16, 8)), batch_size=4)
+    model = _ClippedFused()
+    trainer = Trainer(
+        accelerator="cpu",
+        precision="bf16-mixed",
+        gradient_clip_val=0.5,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(model, data)
+    assert len(model.norms) == 3
+    assert all(norm == pytest.approx(0.5, rel=1e-3) for norm in model.norms)

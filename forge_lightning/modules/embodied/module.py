@@ -28,6 +28,7 @@ from forge_lightning.datamodules.lerobot.stats import Normalizer, aggregate_stat
 from forge_lightning.modules.embodied.checkpoint import load_lerobot_checkpoint
 from forge_lightning.modules.embodied.config import Pi05Config
 from forge_lightning.modules.embodied.model import Pi05, Pi05Inputs
+from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.modules.embodied.prompt import PromptTokenizer, build_prompts
 from forge_lightning.modules.embodied.siglip import preprocess_images
 from forge_lightning.modules.plan import Component, ParallelPlan
@@ -48,7 +49,7 @@ def _as(cls: type, value: Any) -> Any:
     return cls(**value) if isinstance(value, dict) else value
 
 
-class Pi05Policy(pl.LightningModule):
+class Pi05Policy(UnscaledGradientClipping, pl.LightningModule):
     """Pi0.5 vision-language-action policy: flow-matching training and action-chunk prediction.
 
     Args:

@@ -23,6 +23,7 @@ from forge_lightning.modules.llm.model import DecoderLM, block_tp_plan
 from forge_lightning.modules.lora import LoRAConfig, apply_lora, save_adapter
 from forge_lightning.modules.plan import Component, ParallelPlan
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
+from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.performance import PerformanceConfig, ResolvedPerformance, configure_performance, resolve
 
 # Tensor-parallel styles of one decoder layer (relative names) and of the modules around the layers.
@@ -79,7 +80,7 @@ def deferred_pretrained() -> Iterator[None]:
         _DEFER_PRETRAINED.reset(token)
 
 
-class CausalLM(pl.LightningModule):
+class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     """Decoder-only language model (Llama / Qwen2 / Qwen3 / Mistral style) built from a Hugging Face config.
 
     The loss is the mean cross-entropy over all trainable tokens (labels != ``ignore_index``) of the global batch,
