@@ -539,6 +539,10 @@ def _lerobot_loss_setup(args: argparse.Namespace, policy: Any, optimizer: Any) -
     from forge_lightning.optim.schedulers import SchedulerConfig, build_scheduler
 
     state = load_file(str(_work_file(args, "init")))
+    # The file uses the checkpoint layout; recent transformers releases drop SigLIP's `vision_model` level.
+    expected = policy.state_dict().keys()
+    flat = {k: k.replace(".vision_tower.vision_model.", ".vision_tower.") for k in state}
+    state = {(flat[k] if k not in expected and flat[k] in expected else k): v for k, v in state.items()}
     missing, unexpected = policy.load_state_dict(state, strict=False)
     heads = [k for k in missing if k.endswith("lm_head.weight")]
     if unexpected or len(heads) != len(missing):

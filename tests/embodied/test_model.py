@@ -79,3 +79,17 @@ def test_presets_build(name):
     with torch.device("meta"):
         model = Pi05(config)
     assert len(model.llm.layers) == len(model.action_expert.layers) == config.llm.num_layers
+
+
+def test_both_vision_tower_layouts_load_to_the_same_parameters(fixture_dir):
+    """lerobot files from recent transformers drop the SigLIP ``vision_model`` level; both layouts map the same."""
+    from safetensors.torch import load_file
+
+    from forge_lightning.modules.embodied.checkpoint import from_lerobot_state_dict
+
+    state = load_file(str(fixture_dir / "model.safetensors"))
+    flat = {k.replace(".vision_tower.vision_model.", ".vision_tower."): v for k, v in state.items()}
+    assert flat.keys() != state.keys()
+    nested, flattened = from_lerobot_state_dict(state), from_lerobot_state_dict(flat)
+    assert nested.keys() == flattened.keys()
+    assert all(nested[k] is flattened[k] for k in nested)

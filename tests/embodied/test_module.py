@@ -231,3 +231,14 @@ def test_forge_cli_trains_pi05_from_yaml(fixture_dir, tmp_path):
     cli = ForgeCLI(args=["fit", "--config", str(path)])
     assert cli.trainer.global_step == 3
     assert {g["name"]: g["lr"] for g in cli.trainer.optimizers[0].param_groups}["llm/decay"] == 1e-4
+
+
+def test_prompts_tokenised_before_the_transfer_equal_those_of_the_step(trained, fixed_batch):
+    """The host-side hook adds the same prompt tokens that prepare_inputs would build from the state."""
+    policy = trained["policy"]
+    batch = {k: v for k, v in fixed_batch.items() if not k.startswith("prompt.")}
+    direct = policy.prepare_inputs(batch)
+    hooked = policy.on_before_batch_transfer(dict(batch), 0)
+    assert {"prompt.tokens", "prompt.mask"} <= hooked.keys()
+    via_hook = policy.prepare_inputs(hooked)
+    assert torch.equal(direct.tokens, via_hook.tokens) and torch.equal(direct.token_mask, via_hook.token_mask)

@@ -5,7 +5,8 @@ language_model.layers.0.self_attn.q_proj.weight``); openpi's PyTorch export has 
 Every tensor maps to one parameter of ours by a prefix rename (:data:`LAYOUT`). Two output heads of the layout are
 never used by Pi0.5 and are skipped on load: ``paligemma.lm_head`` (PaliGemma's text head; only read as the token
 embedding when a file stores the tied embedding under that name) and ``gemma_expert.lm_head``. openpi's older
-``action_time_mlp_*`` names are read as ``time_mlp_*``.
+``action_time_mlp_*`` names are read as ``time_mlp_*``. Files saved under recent transformers releases, whose
+SigLIP vision tower has no ``vision_model`` level (``...vision_tower.encoder.layers.0...``), are read as well.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from forge_lightning.modules.embodied.model import Pi05
 from forge_lightning.modules.llm.hf import load_hf_state_dict
 
 _PALIGEMMA = "paligemma_with_expert.paligemma."
-_SIGLIP = _PALIGEMMA + "model.vision_tower.vision_model."
+_VISION_TOWER = _PALIGEMMA + "model.vision_tower."
+_SIGLIP = _VISION_TOWER + "vision_model."
 LAYOUT: tuple[tuple[str, str], ...] = (
     (_SIGLIP + "embeddings.patch_embedding.", "vision.patch_embedding."),
     (_SIGLIP + "embeddings.position_embedding.", "vision.position_embedding."),
@@ -44,6 +46,8 @@ _RENAMED = {"action_time_mlp_in.": "time_mlp_in.", "action_time_mlp_out.": "time
 
 def _strip(key: str) -> str:
     key = key.removeprefix("model.")
+    if key.startswith(_VISION_TOWER) and not key.startswith(_SIGLIP):
+        key = _SIGLIP + key.removeprefix(_VISION_TOWER)
     for old, new in _RENAMED.items():
         if key.startswith(old):
             return new + key.removeprefix(old)

@@ -28,11 +28,11 @@ from forge_lightning.datamodules.lerobot.stats import Normalizer, aggregate_stat
 from forge_lightning.modules.embodied.checkpoint import load_lerobot_checkpoint
 from forge_lightning.modules.embodied.config import Pi05Config
 from forge_lightning.modules.embodied.model import Pi05, Pi05Inputs
-from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.modules.embodied.prompt import PromptTokenizer, build_prompts
 from forge_lightning.modules.embodied.siglip import preprocess_images
 from forge_lightning.modules.plan import Component, ParallelPlan
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_scheduler, param_groups
+from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.performance import PerformanceConfig, configure_performance, resolve
 
 COMPONENTS = ("vision", "llm", "action_expert")
@@ -41,6 +41,8 @@ COMPONENTS = ("vision", "llm", "action_expert")
 IMAGE_PREFIX = "observation.images."
 _BOUNDED_MODES = ("min_max", "quantiles", "quantile10")  # map to [-1, 1], as the state bins assume
 _CHECKPOINT_KEY = "pi05_normalization"
+PROMPT_TOKENS_KEY, PROMPT_MASK_KEY = "prompt.tokens", "prompt.mask"
+"""Batch keys of the tokenised prompt, added on the host before the batch moves to the device."""
 
 
 def _as(cls: type, value: Any) -> Any:
@@ -233,11 +235,34 @@ class Pi05Policy(UnscaledGradientClipping, pl.LightningModule):
                 f"{self.state_key} has shape {tuple(state.shape)}; Pi0.5 takes one state of at most "
                 f"max_state_dim ({self.config.max_state_dim}) values per sample"
             )
-        tasks = batch[self.task_key]
-        tasks = [tasks] * state.shape[0] if isinstance(tasks, str) else list(tasks)
-        tokens, token_mask = self.tokenizer(build_prompts(tasks, state, self.config.state_bins))
+        if PROMPT_TOKENS_KEY in batch:
+            tokens, token_mask = batch[PROMPT_TOKENS_KEY], batch[PROMPT_MASK_KEY]
+        else:
+            tokens, token_mask = self.tokenize_prompts(batch)
         images, image_mask = self._images(batch)
         return Pi05Inputs(images, image_mask, tokens.to(state.device), token_mask.to(state.device))
+
+    def tokenize_prompts(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
+        """Token ids and mask ``[B, max_prompt_length]`` of the batch's prompts (task + discretised state)."""
+        state = batch[self.state_key]
+        tasks = batch[self.task_key]
+        tasks = [tasks] * state.shape[0] if isinstance(tasks, str) else list(tasks)
+        return self.tokenizer(build_prompts(tasks, state, self.config.state_bins))
+
+    @override
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        # Binning the state reads its values on the host: done here, before the copy, it does not make the host
+        # wait for the device at every step.
+        if (
+            isinstance(batch, dict)
+            and self.state_key in batch
+            and self.task_key in batch
+            and isinstance(batch[self.state_key], Tensor)
+            and batch[self.state_key].device.type == "cpu"
+            and batch[self.state_key].ndim == 2
+        ):
+            batch[PROMPT_TOKENS_KEY], batch[PROMPT_MASK_KEY] = self.tokenize_prompts(batch)
+        return batch
 
     def prepare_actions(self, batch: Mapping[str, Any]) -> Tensor:
         """The normalised action chunk zero-padded to ``[B, chunk_size, max_action_dim]``."""
