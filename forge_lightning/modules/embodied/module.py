@@ -261,7 +261,10 @@ class Pi05Policy(UnscaledGradientClipping, pl.LightningModule):
             and batch[self.state_key].device.type == "cpu"
             and batch[self.state_key].ndim == 2
         ):
-            batch[PROMPT_TOKENS_KEY], batch[PROMPT_MASK_KEY] = self.tokenize_prompts(batch)
+            tokens, mask = self.tokenize_prompts(batch)
+            if self.device.type == "cuda":  # pinned, so that the copy does not wait for the device either
+                tokens, mask = tokens.pin_memory(), mask.pin_memory()
+            batch[PROMPT_TOKENS_KEY], batch[PROMPT_MASK_KEY] = tokens, mask
         return batch
 
     def prepare_actions(self, batch: Mapping[str, Any]) -> Tensor:
