@@ -91,6 +91,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 CAMERAS = ("observation.images.base", "observation.images.wrist")
+PEAK_TFLOPS = 989.0
 NORMALIZATION = {"observation.state": "quantiles", "action": "quantiles"}
 # lerobot's PI05 optimizer preset (openpi's): AdamW over every parameter, gradients clipped at 1.0.
 OPTIMIZER = {"lr": 2.5e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
@@ -727,10 +728,14 @@ def _loss_columns(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     return f" {row['first_loss']:.4f} | {row['last20_mean_loss']:.4f} | {delta} |"
 
 
-def table(rows: dict[str, dict[str, Any]], loss_reference: str | None) -> str:
-    """The markdown table: one row per path, samples/s ratios against every lerobot row."""
+def table(rows: dict[str, dict[str, Any]], loss_reference: str | None, flops_per_sample: float) -> str:
+    """The markdown table: one row per path, samples/s ratios against every lerobot row.
+
+    TFLOP/s and MFU (of 989 TFLOP/s, H100 / H200 dense bf16) count the same model FLOPs per sample on both
+    sides (``Pi05Config.training_flops_per_sample``): recomputation by checkpointing is not counted.
+    """
     refs = [p for p in LEROBOT_PATHS if p in rows]
-    head = "| path | setting | batch | samples/s | step | data wait | peak mem |"
+    head = "| path | setting | batch | samples/s | TFLOP/s | MFU | step | data wait | peak mem |"
     head += "".join(f" vs {p} |" for p in refs)
     if loss_reference:
         head += f" step-0 loss | last-20 loss | vs {loss_reference} |"
@@ -739,9 +744,11 @@ def table(rows: dict[str, dict[str, Any]], loss_reference: str | None) -> str:
         if "error" in row:
             lines.append(f"| {path} | {row.get('setting', '')} | failed: {row['error'][:120]} |")
             continue
+        tflops = row["samples_per_s"] * flops_per_sample / 1e12
         line = (
-            f"| {path} | {row['setting']} | {row['batch']} | {row['samples_per_s']:.2f} | "
-            f"{row['step_s'] * 1e3:.0f} ms | {row['data_wait_pct']:.1f}% | {row['peak_mem_gb']:.1f} GB |"
+            f"| {path} | {row['setting']} | {row['batch']} | {row['samples_per_s']:.2f} | {tflops:.0f} | "
+            f"{100 * tflops / PEAK_TFLOPS:.1f}% | {row['step_s'] * 1e3:.0f} ms | {row['data_wait_pct']:.1f}% | "
+            f"{row['peak_mem_gb']:.1f} GB |"
         )
         line += "".join(f" {_ratio(row, rows[p])} |" for p in refs)
         if loss_reference:
@@ -901,7 +908,12 @@ def main() -> None:
     what = f"{args.loss_steps} steps, same inputs" if args.loss_steps else f"{args.steps} timed steps"
     print(f"\nPi0.5 {args.preset}, batch {args.batch}, {what}, {info['total_episodes']} episodes x "
           f"{info['total_frames'] // info['total_episodes']} frames, {args.device}; {out}")  # fmt: skip
-    print(table(rows, args.loss_reference if args.loss_steps else None))
+    sys.path.insert(0, str(REPO))
+    from forge_lightning.modules.embodied.config import Pi05Config
+
+    flops = Pi05Config.from_preset(args.preset).training_flops_per_sample(len(CAMERAS))
+    print(f"model FLOPs per sample (forward + backward): {flops / 1e12:.2f} TFLOP")
+    print(table(rows, args.loss_reference if args.loss_steps else None, flops))
     for line in _summary(rows, bool(args.loss_steps)):
         print(line)
 

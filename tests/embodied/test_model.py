@@ -93,3 +93,42 @@ def test_both_vision_tower_layouts_load_to_the_same_parameters(fixture_dir):
     nested, flattened = from_lerobot_state_dict(state), from_lerobot_state_dict(flat)
     assert nested.keys() == flattened.keys()
     assert all(nested[k] is flattened[k] for k in nested)
+
+
+def _math_attention(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_):
+    """SDPA as plain matmuls, so that torch's FLOP counter sees the attention."""
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    if attn_mask is not None:
+        scores = (
+            scores.masked_fill(~attn_mask, float("-inf"))
+            if attn_mask.dtype == torch.bool
+            else scores + attn_mask
+        )
+    return scores.softmax(-1) @ v
+
+
+def test_training_flops_formula_counts_the_forward_matmuls(monkeypatch):
+    """The FLOPs the benchmarks report: 3x the forward's matmuls and attention, as torch's counter sees them."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", _math_attention)
+    config = Pi05Config.from_preset("debug")
+    model, batch, cameras = Pi05(config), 2, 3
+    size, length = config.vision.image_size, config.tokenizer_max_length
+    inputs = Pi05Inputs(
+        torch.rand(batch, cameras, 3, size, size) * 2 - 1,
+        torch.ones(batch, cameras, dtype=torch.bool),
+        torch.randint(0, config.vocab_size, (batch, length)),
+        torch.ones(batch, length, dtype=torch.bool),
+    )
+    actions = torch.randn(batch, config.chunk_size, config.max_action_dim)
+    with FlopCounterMode(display=False) as counter:
+        model.forward_loss(inputs, actions, torch.randn_like(actions), torch.rand(batch))
+    counts = counter.get_flop_counts()
+    per_sample = sum(  # the time embedding and the adaptive norms' modulation: once per sample, not per token
+        sum(counts[name].values())
+        for name in counts
+        if name.endswith(("time_mlp_in", "time_mlp_out", "norm.dense"))
+    )
+    forward = (counter.get_total_flops() - per_sample) / batch
+    assert config.training_flops_per_sample(cameras) == pytest.approx(3 * forward, rel=1e-9)
