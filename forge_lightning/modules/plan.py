@@ -2,15 +2,17 @@
 
 A LightningModule returns a :class:`ParallelPlan` from ``parallel_plan()``. Strategies never know a model family:
 they read the plan's components, the repeated blocks inside each (the unit for FSDP wrapping, activation
-checkpointing and ``torch.compile``), the tensor-parallel plan and which components are frozen.
+checkpointing and ``torch.compile``), the tensor-parallel plan and which components are frozen. A model made of
+several components that feed one decoder LM (a VLM: vision encoder -> projector -> LLM) also declares its
+:class:`Composition`, so that a strategy which rebuilds the decoder (``MegatronStrategy``) can run the rest.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
-from torch import nn
+from torch import Tensor, nn
 
 
 @dataclass(kw_only=True)
@@ -34,15 +36,53 @@ class Component:
 
 
 @dataclass(kw_only=True)
+class Composition:
+    """How the components of a composed model feed its decoder LM::
+
+        batch ──encode──> encoded [b, N, H] ─┐
+        input_ids ──decoder's embedding──────┴─merge──> decoder inputs [b, T, H], labels [b, T] ──> decoder LM
+
+    The native forward and every strategy use the same two functions, so a strategy may run the decoder as
+    another implementation (``MegatronStrategy``: its megatron-core twin) and the other components as they are.
+
+    Args:
+        decoder: name of the decoder-LM component (its module is a ``DecoderLM``: an ``LLMConfig`` ``config``,
+            Hugging Face parameter names).
+        encode: ``encode(batch) -> encoded``: runs every other component on the batch's samples and returns one
+            tensor whose first dimension is the samples. Each sample must be encoded independently of the others
+            (no batch statistics): a strategy may encode a micro-batch's samples in parts on different ranks and
+            concatenate the results; every tensor of ``batch`` with the batch size as first dimension is cut.
+        merge: ``merge(token_embeds_BSH, encoded, batch) -> (inputs_BTH, labels_BT)``: the decoder's input
+            embeddings from the token embeddings of ``batch["input_ids"]`` and ``encode``'s output, and the labels
+            of those ``T`` positions (``ignore_index`` where no token is predicted, e.g. on encoder positions).
+    """
+
+    decoder: str
+    encode: Callable[[dict[str, Tensor]], Tensor]
+    merge: Callable[[Tensor, Tensor, dict[str, Tensor]], tuple[Tensor, Tensor]]
+
+
+@dataclass(kw_only=True)
 class ParallelPlan:
-    """All components of a model; see :class:`Component`."""
+    """All components of a model; see :class:`Component`.
+
+    Args:
+        components: the model's components.
+        composition: for a model whose components feed one decoder LM (encoder -> projector -> LLM), how they do;
+            ``None`` for a model of one component or whose components no strategy needs to recompose.
+    """
 
     components: list[Component]
+    composition: Composition | None = None
 
     def __post_init__(self) -> None:
         names = [c.name for c in self.components]
         if len(set(names)) != len(names):
             raise ValueError(f"component names must be unique, got {names}")
+        if self.composition is not None and self.composition.decoder not in names:
+            raise ValueError(
+                f"composition.decoder ({self.composition.decoder!r}) must be one of the components {names}"
+            )
 
     def __iter__(self) -> Iterator[Component]:
         return iter(self.components)

@@ -137,6 +137,33 @@ HF_TINY = {
         max_position_embeddings=64,
         tie_word_embeddings=True,
     ),
+    # Multi-latent attention (query latent, interleaved rotary dims, value heads narrower than query/key heads);
+    # layer 0 dense, layer 1 with 8 sigmoid-routed experts in 2 groups of which a token uses 1, top-2, the selection
+    # bias (randomised below), routed_scaling_factor 2.5 and an ungated shared expert.
+    "deepseek_v3": dict(
+        model_type="deepseek_v3",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        routed_scaling_factor=2.5,
+        first_k_dense_replace=1,
+        q_lora_rank=24,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=12,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    ),
 }
 
 
@@ -154,6 +181,9 @@ def make_hf_model(arch: str, out: Path):
                 param.add_(0.1 * torch.randn_like(param))
             elif name.endswith("mlp.gate.weight"):
                 param.mul_(25.0)  # MoE routers: logits of std ~3, so no token sits near a routing tie
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's selection bias
+                buffer.normal_(0.0, 0.1)
     model.save_pretrained(out)
     return model
 

@@ -18,7 +18,11 @@ from forge_lightning.modules.llm.model import DecoderLM
 # Qwen3-MoE (q/k norm, renormalised top-2 of 8, both layers MoE, no router losses); Qwen2-MoE (q/k/v bias,
 # top-2 softmax probabilities kept, a shared expert with its sigmoid gate, layer 0 dense and layer 1 MoE, both
 # router losses: with one MoE layer megatron's per-layer losses equal the native pooled ones); Qwen3-MoE with the
-# load-balancing loss in both layers (pooled natively, per layer in megatron: compared on its own).
+# load-balancing loss in both layers (pooled natively, per layer in megatron: compared on its own); DeepSeek-V3
+# (multi-latent attention with a query latent, value heads narrower than query/key heads, linear RoPE scaling; layer 0
+# dense, layer 1 with 16 sigmoid-routed experts in 4 groups of which a token uses 2, top-4, a random selection bias,
+# routed_scaling_factor, an ungated shared expert; the z-loss); its variant without a query latent (q_proj), with
+# llama3 RoPE scaling and top-1 sigmoid routing without groups or renormalisation.
 MOE_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen3_moe": dict(
         moe=dict(num_experts=8, num_experts_per_tok=2, intermediate_size=32, norm_topk_prob=True)
@@ -47,7 +51,46 @@ MOE_CONFIGS: dict[str, dict[str, Any]] = {
             aux_loss_coef=0.01,
         )
     ),
+    "deepseek_v3": dict(
+        architecture="deepseek_v3",
+        qk_norm=False,
+        num_kv_heads=4,
+        head_dim=None,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        mla=dict(kv_lora_rank=16, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12),
+        moe=dict(
+            num_experts=16,
+            num_experts_per_tok=4,
+            intermediate_size=32,
+            score_func="sigmoid",
+            norm_topk_prob=True,
+            num_groups=4,
+            num_groups_per_tok=2,
+            routed_scaling_factor=2.5,
+            shared_intermediate_size=32,
+            first_dense_layers=1,
+            z_loss_coef=0.001,
+        ),
+    ),
 }
+MOE_CONFIGS["deepseek_v3_plain"] = dict(
+    MOE_CONFIGS["deepseek_v3"],
+    rope_scaling=dict(
+        rope_type="llama3",
+        factor=8.0,
+        low_freq_factor=1.0,
+        high_freq_factor=4.0,
+        original_max_position_embeddings=8,
+    ),
+    mla=dict(MOE_CONFIGS["deepseek_v3"]["mla"], q_lora_rank=None),
+    moe=dict(
+        MOE_CONFIGS["deepseek_v3"]["moe"],
+        num_experts_per_tok=1,
+        norm_topk_prob=False,
+        num_groups=1,
+        num_groups_per_tok=1,
+    ),
+)
 
 
 def moe_config(name: str) -> LLMConfig:
@@ -55,7 +98,7 @@ def moe_config(name: str) -> LLMConfig:
 
 
 def native_model(config: LLMConfig, seed: int = 0) -> DecoderLM:
-    """A seeded fp32 native model with well-separated routing and non-trivial norms and biases."""
+    """A seeded fp32 native model with well-separated routing and non-trivial norms, biases and selection biases."""
     torch.manual_seed(seed)
     model = DecoderLM(config).float()
     with torch.no_grad():
@@ -64,6 +107,9 @@ def native_model(config: LLMConfig, seed: int = 0) -> DecoderLM:
                 param.mul_(25.0)  # router logits of std ~3: top-k choices far from ties
             elif name.endswith("norm.weight") or name.endswith(".bias"):
                 param.add_(0.1 * torch.randn_like(param))
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3: the selection changes with it
+                buffer.normal_(0.0, 0.1)
     return model
 
 
@@ -181,7 +227,9 @@ def hf_gradients(chunks: list[torch.nn.Module], config: LLMConfig) -> dict[str, 
     try:
         for p in params:
             p.data = p.main_grad
-        return export_hf_state(chunks, config)
+        exported = export_hf_state(chunks, config)
+        # The routers' selection biases are buffers (no gradient): exported as they are, left out here.
+        return {k: v for k, v in exported.items() if not k.endswith("e_score_correction_bias")}
     finally:
         for p, data in zip(params, saved, strict=True):
             p.data = data

@@ -1,5 +1,6 @@
 """The megatron-core twin computes transformers' function, and HF -> megatron -> HF is bit-exact (one process);
-dense and mixture-of-experts (Qwen3-MoE, Qwen2-MoE with a dense layer and a gated shared expert)."""
+dense and mixture-of-experts (Qwen3-MoE, Qwen2-MoE with a dense layer and a gated shared expert, DeepSeek-V3 with
+multi-latent attention and sigmoid group-limited routing with a selection bias)."""
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ def _twin(path):
     return config, model
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def test_logits_match_transformers(megatron_world, hf_models, arch):
     path, hf = hf_models[arch]
     _, model = _twin(path)
@@ -30,7 +31,7 @@ def test_logits_match_transformers(megatron_world, hf_models, arch):
     torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen3_moe", "qwen2_moe", "deepseek_v3"])
 def test_hf_round_trip_is_bit_exact(megatron_world, hf_models, arch):
     path, _ = hf_models[arch]
     config, model = _twin(path)

@@ -2,9 +2,9 @@
 sequence split) gives the native model's loss and gradients on one process; unsupported layouts are refused.
 
 Same weights, same micro-batches (2 of 2 x 16 tokens), fp32: the 2-process worker (``context_parallel_worker.py``)
-runs the twin at TP = PP = 1, CP = 2 (dense and MoE; the MoE twins also with EP = 2 over the CP ranks) through the
-strategy's schedule and megatron's gradient finalisation; every gradient is gathered under its Hugging Face name
-and compared with the native ``DecoderLM`` under the one batch rule.
+runs the twin at TP = PP = 1, CP = 2 (dense, MoE and DeepSeek-V3's multi-latent attention; the MoE twins also with
+EP = 2 over the CP ranks) through the strategy's schedule and megatron's gradient finalisation; every gradient is
+gathered under its Hugging Face name and compared with the native ``DecoderLM`` under the one batch rule.
 ``forge fit`` at CP = 2 against the default strategy is in test_strategy.py.
 """
 
@@ -22,7 +22,7 @@ from forge_lightning.strategies.megatron import schedule
 from forge_lightning.strategies.megatron.model import check_ulysses_heads, validate_degrees
 
 HERE = Path(__file__).resolve().parent
-MOE_NAMES = ["qwen3_moe", "qwen2_moe"]
+MOE_NAMES = ["qwen3_moe", "qwen2_moe", "deepseek_v3"]
 NAMES = [*DENSE_CONFIGS, *MOE_NAMES]
 LM_TOL = 1e-5  # |twin at CP = 2 - native| LM loss
 GRAD_RTOL = 1e-5  # max |twin - native| per gradient tensor / its max |native|

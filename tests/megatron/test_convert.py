@@ -34,7 +34,7 @@ def _convert(*commands: list[str]) -> None:
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2_moe", "deepseek_v3"])
 def test_hf_megatron_hf_round_trip_is_bit_exact(hf_models, tmp_path, arch):
     path, _ = hf_models[arch]
     mcore, hf = tmp_path / "mcore", tmp_path / "hf"

@@ -1,18 +1,22 @@
-"""The megatron-core twin of the MoE decoders (Qwen3-MoE, Qwen2-MoE) gives the native model's loss and gradients.
+"""The megatron-core twin of the MoE decoders (Qwen3-MoE, Qwen2-MoE, DeepSeek-V3) gives the native model's loss and
+gradients.
 
 Same weights, same micro-batches, fp32: the twin (DDP-wrapped, through the strategy's schedule and megatron's
 gradient finalisation) against the native ``DecoderLM`` under the one batch rule, on one process (two micro-batches)
 and on two gloo processes at EP = 2 (DP = 2), TP = 2 with sequence parallelism and PP = 2 (``moe_worker.py``). Every
 gradient is gathered under its Hugging Face name (the export path) and compared. The router losses are compared
 where megatron's per-layer definition equals the native pooled one (one MoE layer) and, per layer, where it does not.
+``forge fit`` at EP = 2 (Qwen2-MoE, DeepSeek-V3) and TP = 2 + SP (DeepSeek-V3) gives the default strategy's losses.
 """
 
 import csv
+import dataclasses
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,16 +25,27 @@ from moe_reference import build_twin, megatron_run, micro_batches, moe_config, n
 
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.hf import split_experts
-from forge_lightning.modules.llm.megatron import transformer_config
+from forge_lightning.modules.llm.megatron import transformer_config, unwrap
 from forge_lightning.strategies.megatron.bridge import export_hf_state
 from forge_lightning.strategies.megatron.checkpoint import check_expert_layout
-from forge_lightning.strategies.megatron.model import _check_experts, validate_degrees
+from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec
+from forge_lightning.strategies.megatron.model import _check_experts, build_chunks, validate_degrees
 
 HERE = Path(__file__).resolve().parent
 TINY_YAML = HERE.parents[1] / "tests" / "configs" / "tiny_llm.yaml"
 STRATEGY = "forge_lightning.strategies.megatron.MegatronStrategy"
 LM_TOL = 1e-5  # |twin - native| LM loss (measured <= 4.8e-7)
 GRAD_RTOL = 1e-5  # max |twin - native| per gradient tensor / its max |native| (measured <= 1.5e-6)
+_ONE_PROCESS = dict(
+    tensor_model_parallel_size=1,
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_model_parallel_size=None,
+    context_parallel_size=1,
+    expert_model_parallel_size=1,
+    sequence_parallel=False,
+    overlap_param_gather=False,
+    use_distributed_optimizer=False,
+)
 
 
 def _assert_matches(run: dict, ref: dict) -> None:
@@ -45,7 +60,7 @@ def _assert_matches(run: dict, ref: dict) -> None:
     assert rel[worst] <= GRAD_RTOL, (worst, rel[worst])
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe"])
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "deepseek_v3", "deepseek_v3_plain"])
 def test_twin_matches_native_loss_gradients_and_router_losses(megatron_world, name):
     config = moe_config(name)
     model = native_model(config)
@@ -60,6 +75,32 @@ def test_twin_matches_native_loss_gradients_and_router_losses(megatron_world, na
     if config.moe.aux_loss_coef:  # qwen2_moe: one MoE layer, so megatron's per-layer loss is the pooled one
         tracked = run["tracked"]["load_balancing_loss"].sum().item() * config.moe.num_experts_per_tok
         assert abs(tracked - sum(ref["aux_loss"])) <= 1e-5, (tracked, ref["aux_loss"])
+    # DeepSeek-V3's selection bias is kept as loaded (megatron's aux-loss-free update is off, as natively).
+    biases = [k for k in native if k.endswith("e_score_correction_bias")]
+    assert len(biases) == name.startswith("deepseek_v3")
+    after = export_hf_state(chunks, config)
+    assert all(torch.equal(after[k], native[k]) for k in biases)
+
+
+def test_selection_bias_stays_fp32_in_a_bf16_twin(megatron_world):
+    """Rounding the selection bias to bf16 would change which experts win: like the native router's, the twin's
+    stays fp32 (and exact) when megatron's Float16Module casts the model."""
+    config = moe_config("deepseek_v3")
+    model = native_model(config)
+    degrees = {**_ONE_PROCESS, "expert_model_parallel_size": 1}
+    (chunk,) = build_chunks(
+        SimpleNamespace(config=config, model=model),
+        degrees,
+        device=torch.device("cpu"),
+        bf16=True,
+        use_transformer_engine=False,
+    )
+    moe_layer = unwrap(chunk).decoder.layers[1].mlp
+    assert moe_layer.experts.local_experts[0].linear_fc1.weight.dtype == torch.bfloat16
+    router = moe_layer.router
+    assert router.expert_bias.dtype == torch.float32
+    loaded = model.state_dict()["model.layers.1.mlp.gate.e_score_correction_bias"]
+    assert torch.equal(router.expert_bias, loaded)
 
 
 def test_load_balancing_loss_is_per_layer_in_megatron(megatron_world):
@@ -77,7 +118,7 @@ def test_load_balancing_loss_is_per_layer_in_megatron(megatron_world):
 
 
 def test_expert_tensor_and_pipeline_parallel_match_native(tmp_path):
-    names = ["qwen3_moe", "qwen2_moe"]
+    names = ["qwen3_moe", "qwen2_moe", "deepseek_v3"]
     out = tmp_path / "runs.pt"
     torchrun(HERE / "moe_worker.py", out, *names)
     runs = torch.load(out, weights_only=False)
@@ -91,22 +132,38 @@ def test_expert_tensor_and_pipeline_parallel_match_native(tmp_path):
             raise AssertionError(f"{layout} {name}: {e}") from e
 
 
+def _deepseek(**moe: object) -> LLMConfig:
+    config = moe_config("deepseek_v3")
+    return dataclasses.replace(config, moe=dataclasses.replace(config.moe, **moe))
+
+
 def test_unsupported_layouts_and_models_are_refused():
     moe = moe_config("qwen3_moe")
-    with pytest.raises(NotImplementedError, match="multi-latent attention"):
-        transformer_config(LLMConfig.from_preset("debug-deepseek"))
     with pytest.raises(ValueError, match="needs sequence_parallel=True"):
         transformer_config(moe, tensor_model_parallel_size=2)
-    degrees = dict(
-        tensor_model_parallel_size=1,
-        pipeline_model_parallel_size=1,
-        virtual_pipeline_model_parallel_size=None,
-        context_parallel_size=1,
-        expert_model_parallel_size=2,
-        sequence_parallel=False,
-        overlap_param_gather=False,
-        use_distributed_optimizer=False,
-    )
+    deepseek = moe_config("deepseek_v3")
+    dense_deepseek = dataclasses.replace(deepseek, moe=None)
+    with pytest.raises(ValueError, match="multi-latent attention needs sequence_parallel=True"):
+        transformer_config(dense_deepseek, tensor_model_parallel_size=2)
+    refused = {
+        "mla.rope_interleave=False": dataclasses.replace(
+            deepseek, mla=dataclasses.replace(deepseek.mla, rope_interleave=False)
+        ),
+        "attention_bias=True with multi-latent attention": dataclasses.replace(
+            deepseek, attention_bias=True, o_proj_bias=True
+        ),
+        "sigmoid' with moe.norm_topk_prob=False": _deepseek(norm_topk_prob=False),
+        r"moe.num_experts_per_tok \(6\) // .* = 3": _deepseek(num_experts_per_tok=6),
+        r"moe.aux_loss_coef \(0.01\) > 0 with sigmoid routing": _deepseek(aux_loss_coef=0.01),
+    }
+    for message, config in refused.items():
+        with pytest.raises(NotImplementedError, match=message):
+            transformer_config(config)
+    with pytest.raises(NotImplementedError, match="use_transformer_engine=True with multi-latent attention"):
+        gpt_decoder_spec(transformer_config(deepseek), use_transformer_engine=True)
+    for preset in ("debug-deepseek", "deepseek-v3"):  # DeepSeek-V3 itself: top-8 from 4 of 8 groups
+        assert transformer_config(LLMConfig.from_preset(preset)).moe_router_group_topk is not None
+    degrees = {**_ONE_PROCESS, "expert_model_parallel_size": 2}
     with pytest.raises(
         ValueError, match=r"expert_model_parallel_size \(2\) must divide the data-parallel size"
     ):
@@ -133,6 +190,39 @@ def _column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
 
 
+def _fit(
+    root: Path, corpus: dict[str, Path], config: LLMConfig, name: str, *args: str, devices: int, batch: int
+) -> list[dict[str, str]]:
+    """``forge fit`` of the tiny YAML with ``config`` for 3 steps (no validation); its logged metrics."""
+    config_json = root / "config.json"
+    config_json.write_text(json.dumps(config.to_hf()))
+    cmd = [sys.executable, str(HERE / "forge_entry.py"), "fit", "--config", str(TINY_YAML)]
+    cmd += ["--model.init_args.config", str(config_json)]
+    cmd += ["--data.data_prefix", str(corpus["prefix"]), "--data.tokenizer", str(corpus["tokenizer"])]
+    cmd += ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "0"]
+    cmd += ["--trainer.enable_checkpointing", "false"]
+    cmd += ["--trainer.devices", str(devices), "--data.batch_size", str(batch)]
+    cmd += ["--trainer.logger.init_args.name", name, *args]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return _metrics(root, name)
+
+
+def _assert_same_losses(rows: list[dict[str, str]], reference: list[dict[str, str]], layout: str) -> None:
+    for key in ("train/loss", "train/router_z_loss"):
+        got, want = _column(rows, key), _column(reference, key)
+        assert sorted(got) == sorted(want) == [0, 1, 2], (layout, key)
+        deltas = {s: abs(got[s] - want[s]) for s in got}
+        assert max(deltas.values()) <= 1e-5, (layout, key, deltas)
+
+
+EP2 = ["--trainer.strategy", STRATEGY, "--trainer.strategy.expert_model_parallel_size", "2"]
+TP2_SP = ["--trainer.strategy", STRATEGY, "--trainer.strategy.tensor_model_parallel_size", "2"]
+TP2_SP += ["--trainer.strategy.sequence_parallel", "true"]
+
+
 def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path):
     """``forge fit`` of a Qwen2-MoE (one dense, one MoE layer with a gated shared expert, the router z-loss) with
     MegatronStrategy at EP = 2 on 2 processes reproduces the default strategy's losses on one process.
@@ -143,32 +233,19 @@ def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path)
     config = moe_config("qwen2_moe")
     config.vocab_size = 512  # the tiny corpus's tokenizer
     config.moe.aux_loss_coef = 0.0
-    (tmp_path / "config.json").write_text(json.dumps(config.to_hf()))
-    data = [
-        "--data.data_prefix",
-        str(tiny_corpus["prefix"]),
-        "--data.tokenizer",
-        str(tiny_corpus["tokenizer"]),
-    ]
-    trainer = ["--trainer.max_steps", "3", "--trainer.enable_checkpointing", "false"]
-    trainer += ["--trainer.limit_val_batches", "0"]
+    reference = _fit(tmp_path, tiny_corpus, config, "reference", devices=1, batch=4)
+    rows = _fit(tmp_path, tiny_corpus, config, "ep2", *EP2, devices=2, batch=2)
+    _assert_same_losses(rows, reference, "ep2")
 
-    def fit(name: str, *args: str, devices: int, batch: int) -> list[dict[str, str]]:
-        cmd = [sys.executable, str(HERE / "forge_entry.py"), "fit", "--config", str(TINY_YAML)]
-        cmd += ["--model.init_args.config", str(tmp_path / "config.json"), *data, *trainer]
-        cmd += ["--trainer.devices", str(devices), "--data.batch_size", str(batch)]
-        cmd += ["--trainer.logger.init_args.name", name, *args]
-        env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-        env["OMP_NUM_THREADS"] = "1"
-        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        return _metrics(tmp_path, name)
 
-    reference = fit("reference", devices=1, batch=4)
-    ep2 = ["--trainer.strategy", STRATEGY, "--trainer.strategy.expert_model_parallel_size", "2"]
-    rows = fit("ep2", *ep2, devices=2, batch=2)
-    for key, tol in (("train/loss", 1e-5), ("train/router_z_loss", 1e-5)):
-        got, want = _column(rows, key), _column(reference, key)
-        assert sorted(got) == sorted(want) == [0, 1, 2], key
-        deltas = {s: abs(got[s] - want[s]) for s in got}
-        assert max(deltas.values()) <= tol, (key, deltas)
+def test_strategy_fit_of_deepseek_v3_matches_one_process(tiny_corpus, tmp_path):
+    """``forge fit`` of the tiny DeepSeek-V3 (multi-latent attention, a dense layer, a layer of sigmoid group-limited
+    experts with the selection bias and a shared expert, the router z-loss) with MegatronStrategy at EP = 2 (DP = 2,
+    batch 2 each) and at TP = 2 with sequence parallelism (batch 4) reproduces the default strategy's losses on one
+    process (batch 4) for 3 steps."""
+    config = moe_config("deepseek_v3")
+    config.vocab_size = 512  # the tiny corpus's tokenizer
+    reference = _fit(tmp_path, tiny_corpus, config, "reference", devices=1, batch=4)
+    for layout, args, batch in (("ep2", EP2, 2), ("tp2_sp", TP2_SP, 4)):
+        rows = _fit(tmp_path, tiny_corpus, config, layout, *args, devices=2, batch=batch)
+        _assert_same_losses(rows, reference, layout)

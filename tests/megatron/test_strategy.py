@@ -162,3 +162,15 @@ def test_pretrained_weights_read_per_rank_match_one_process(runner, tmp_path):
         batch=4,
     )
     _assert_same_losses(rows, reference)
+
+
+def test_plain_data_loaders_are_split_over_data_parallel_ranks():
+    """Lightning adds a DistributedSampler only for strategies it knows to be distributed."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader
+
+    from forge_lightning.strategies.megatron import MegatronStrategy
+
+    trainer = Trainer(strategy=MegatronStrategy(), accelerator="cpu", devices=1, logger=False)
+    assert trainer._accelerator_connector.is_distributed
+    assert trainer._data_connector._requires_distributed_sampler(DataLoader(list(range(8))))

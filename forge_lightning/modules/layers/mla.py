@@ -25,7 +25,7 @@ from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import apply_rotary
 
 # DeepSeek's latent norms use RMSNorm's default epsilon, not the model's rms_norm_eps.
-_LATENT_NORM_EPS = 1e-6
+LATENT_NORM_EPS = 1e-6
 
 
 class LatentKVCache(KVCache):
@@ -97,10 +97,10 @@ class MultiLatentAttention(SelfAttention):
             self.q_proj = nn.Linear(hidden_size, num_heads * qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(hidden_size, q_lora_rank, bias=bias)
-            self.q_a_layernorm = RMSNorm(q_lora_rank, _LATENT_NORM_EPS)
+            self.q_a_layernorm = RMSNorm(q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = nn.Linear(q_lora_rank, num_heads * qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(hidden_size, kv_lora_rank + qk_rope_head_dim, bias=bias)
-        self.kv_a_layernorm = RMSNorm(kv_lora_rank, _LATENT_NORM_EPS)
+        self.kv_a_layernorm = RMSNorm(kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(kv_lora_rank, num_heads * (qk_nope_head_dim + v_head_dim), bias=False)
         self.o_proj = nn.Linear(num_heads * v_head_dim, hidden_size, bias=bias)
         self.reset_parameters()

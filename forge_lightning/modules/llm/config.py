@@ -881,7 +881,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             aux_loss_coef=0.001,
         ),
     ),
-    # Tiny DeepSeek-V3-style model for tests: MLA, a dense first layer, then 8 experts in 4 groups + a shared one.
+    # Tiny DeepSeek-V3-style model for tests: MLA, a dense first layer, then 8 experts in 2 groups + a shared one
+    # (top-2 from the best group: as DeepSeek-V3's 8 from 4 groups, 2 per chosen group, which MegatronStrategy needs).
     "debug-deepseek": dict(
         vocab_size=256,
         hidden_size=64,
@@ -897,8 +898,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             intermediate_size=32,
             score_func="sigmoid",
             norm_topk_prob=True,
-            num_groups=4,
-            num_groups_per_tok=2,
+            num_groups=2,
+            num_groups_per_tok=1,
             routed_scaling_factor=2.5,
             shared_intermediate_size=32,
             first_dense_layers=1,

@@ -1,7 +1,7 @@
 """The megatron-core twin of a decoder LM: its ``TransformerConfig``, its ``GPTModel`` and the HF weight mapping.
 
-An :class:`LLMConfig` (Llama / Qwen2 / Qwen3 dense, Qwen2-MoE / Qwen3-MoE) maps onto megatron-core's GPT as
-follows::
+An :class:`LLMConfig` (Llama / Qwen2 / Qwen3 dense, Qwen2-MoE / Qwen3-MoE, DeepSeek-V3) maps onto megatron-core's GPT
+as follows::
 
     HF (DecoderLM)                                   megatron-core GPTModel (per TP rank r of T, PP stage)
     model.embed_tokens.weight        [V, H]      ->  embedding.word_embeddings.weight   rows r*V/T ...   (first stage)
@@ -25,6 +25,25 @@ follows::
     mlp.experts.e.down_proj            [H, I]    ->  mlp.experts.local_experts.i.linear_fc2   columns split
     mlp.shared_expert.{gate,up,down}_proj        ->  mlp.shared_experts.linear_fc1 / linear_fc2          (Qwen2-MoE)
     mlp.shared_expert_gate.weight      [1, H]    ->  mlp.shared_experts.gate_weight                      (replicated)
+    mlp.shared_experts.{gate,up,down}_proj       ->  mlp.shared_experts.linear_fc1 / linear_fc2        (DeepSeek-V3)
+    mlp.gate.e_score_correction_bias   [E]       ->  mlp.router.expert_bias    a buffer, fp32            (replicated)
+
+  Multi-latent attention (``config.mla``, DeepSeek-V3; megatron's ``MLASelfAttention``, an ``MLATransformerConfig``;
+  nh heads, Q / K latent widths, N + R query/key and V value head sizes)::
+
+    self_attn.q_a_proj                 [Q, H]    ->  self_attention.linear_q_down_proj                   (replicated)
+    self_attn.q_a_layernorm                      ->  self_attention.q_layernorm                          (replicated)
+    self_attn.q_b_proj          [nh*(N+R), Q]    ->  self_attention.linear_q_up_proj     rows split (heads)
+    self_attn.q_proj            [nh*(N+R), H]    ->  self_attention.linear_q_proj        rows split (no query latent)
+    self_attn.kv_a_proj_with_mqa     [K+R, H]    ->  self_attention.linear_kv_down_proj                  (replicated)
+    self_attn.kv_a_layernorm                     ->  self_attention.kv_layernorm                         (replicated)
+    self_attn.kv_b_proj          [nh*(N+V), K]   ->  self_attention.linear_kv_up_proj    rows split (heads)
+    self_attn.o_proj                 [H, nh*V]   ->  self_attention.linear_proj          columns split
+
+  The down projections are replicated, not split as in megatron's local MLA spec (see the strategy's layer spec):
+  their gradients are then exact at TP > 1, which needs sequence parallelism. Both lay out heads as HF does
+  (``[nope | rope]`` queries, ``[k_nope | v]`` up-projected keys / values); megatron de-interleaves the rotary dims
+  (``rope_interleave=True``).
 
 ``L`` is the global layer index (``layer.layer_number - 1``), ``l`` the index within the stage's chunk. The layer
 spec (which attention / norm modules fill the layer) is the caller's: strategies supply it, this module never
@@ -80,10 +99,7 @@ def check_supported(config: LLMConfig) -> None:
     (``add_bias_linear``), so an output-projection bias without MLP biases (or the reverse) has no twin.
     """
     if config.mla is not None:
-        raise NotImplementedError(
-            f"{config.architecture}: multi-latent attention (DeepSeek-V3) is not yet built on megatron-core by the "
-            "twin; train it with a native strategy (fsdp2, ddp, zero1)"
-        )
+        _check_mla_supported(config)
     if config.moe is not None:
         _check_moe_supported(config)
     linear_biases = (config.o_proj_bias, config.mlp_bias)
@@ -96,22 +112,56 @@ def check_supported(config: LLMConfig) -> None:
         )
 
 
+def _check_mla_supported(config: LLMConfig) -> None:
+    if not config.mla.rope_interleave:
+        raise NotImplementedError(
+            "mla.rope_interleave=False (rotary dimensions stored as halves) is not supported by the megatron twin: "
+            "megatron-core's multi-latent attention always de-interleaves them (DeepSeek's layout, "
+            "rope_interleave=True)"
+        )
+    if config.attention_bias:
+        raise NotImplementedError(
+            "attention_bias=True with multi-latent attention is not supported by the megatron twin: megatron-core's "
+            "MLA projections have no biases"
+        )
+
+
 def _check_moe_supported(config: LLMConfig) -> None:
     moe = config.moe
-    if moe.score_func != "softmax":
-        raise NotImplementedError(
-            f"moe.score_func={moe.score_func!r} (DeepSeek-V3 sigmoid routing with group-limited top-k and a "
-            "selection bias) is not yet built on megatron-core by the twin; supported: softmax top-k routing "
-            "(Qwen2-MoE, Qwen3-MoE); train it with a native strategy (fsdp2, ddp, zero1)"
-        )
     if moe.num_experts_per_tok == 1 and moe.norm_topk_prob:
         raise NotImplementedError(
             "moe.num_experts_per_tok=1 with moe.norm_topk_prob=True (every weight 1) has no megatron-core router "
-            "(its top-1 routing keeps the softmax probability)"
+            "(its top-1 routing keeps the expert's score)"
         )
+    if moe.score_func == "sigmoid":
+        _check_sigmoid_routing(moe)
     if config.mlp_bias:
         raise NotImplementedError(
             "mlp_bias=True with moe is not supported by the megatron twin (no expert biases)"
+        )
+
+
+def _check_sigmoid_routing(moe: Any) -> None:
+    """Refuse the sigmoid-routing variants megatron-core's router computes differently from DeepSeek-V3's."""
+    k, groups, per_tok = moe.num_experts_per_tok, moe.num_groups, moe.num_groups_per_tok
+    if k > 1 and not moe.norm_topk_prob:
+        raise NotImplementedError(
+            "moe.score_func='sigmoid' with moe.norm_topk_prob=False is not supported by the megatron twin: "
+            "megatron-core always renormalises the chosen sigmoid scores of top-k routing (k > 1)"
+        )
+    if groups > 1 and k // per_tok != 2:
+        raise NotImplementedError(
+            f"moe.num_groups ({groups}) > 1 with moe.num_experts_per_tok ({k}) // moe.num_groups_per_tok "
+            f"({per_tok}) = {k // per_tok} is not supported by the megatron twin: megatron-core ranks an expert "
+            "group by the sum of its top num_experts_per_tok // num_groups_per_tok scores, DeepSeek-V3 by its top 2; "
+            "they agree when the quotient is 2 (DeepSeek-V3: 8 // 4)"
+        )
+    if moe.aux_loss_coef:
+        raise NotImplementedError(
+            f"moe.aux_loss_coef ({moe.aux_loss_coef}) > 0 with sigmoid routing is not supported by the megatron "
+            "twin: megatron-core counts the experts' tokens for the load-balancing loss by a plain top-k of the "
+            "scores, without the selection bias and group limit the routing uses (natively: the routed tokens). "
+            "DeepSeek-V3 balances its experts with the selection bias (aux_loss_coef 0)"
         )
 
 
@@ -131,16 +181,27 @@ def _moe_fields(config: LLMConfig, shards: int) -> dict[str, Any]:
     aux = moe.aux_loss_coef * moe.num_experts_per_tok / num_moe_layers * shards
     z_loss = moe.z_loss_coef / num_moe_layers * shards
     scaling = None if moe.routed_scaling_factor == 1.0 else moe.routed_scaling_factor
+    sigmoid = moe.score_func == "sigmoid"
+    groups = moe.num_groups if moe.num_groups > 1 else None
     return dict(
         num_moe_experts=moe.num_experts,
         moe_ffn_hidden_size=moe.intermediate_size,
         moe_layer_freq=[int(config.is_moe_layer(i)) for i in range(config.num_layers)],
         moe_router_topk=moe.num_experts_per_tok,
-        moe_router_score_function="softmax",
+        moe_router_score_function=moe.score_func,
         # Softmax over all experts, then top-k (norm_topk_prob=False); megatron's default (top-k of the logits,
-        # then a softmax over those k) gives the renormalised top-k probabilities (norm_topk_prob=True).
-        moe_router_pre_softmax=not moe.norm_topk_prob,
+        # then a softmax over those k) gives the renormalised top-k probabilities (norm_topk_prob=True). Sigmoid
+        # scores of top-k > 1 are always renormalised (see _check_sigmoid_routing).
+        moe_router_pre_softmax=not moe.norm_topk_prob and not sigmoid,
         moe_router_topk_scaling_factor=scaling,
+        # DeepSeek-V3: group-limited top-k, experts chosen by score + selection bias (`mlp.router.expert_bias`,
+        # fp32), weighted by the unbiased scores; logits in fp32 as natively. The native model (as transformers)
+        # keeps the bias as loaded, so megatron's aux-loss-free update is off (rate 0; see docs/megatron.md).
+        moe_router_num_groups=groups,
+        moe_router_group_topk=moe.num_groups_per_tok if groups else None,
+        moe_router_enable_expert_bias=sigmoid,
+        moe_router_bias_update_rate=0.0,
+        moe_router_dtype="fp32" if sigmoid else None,
         moe_shared_expert_intermediate_size=moe.shared_intermediate_size or None,
         moe_shared_expert_gate=moe.shared_expert_gate,
         moe_router_load_balancing_type="aux_loss" if aux else "none",
@@ -166,20 +227,22 @@ def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
         **parallel: further ``TransformerConfig`` fields (``tensor_model_parallel_size``,
             ``pipeline_model_parallel_size``, ``sequence_parallel``, ``params_dtype``, ``bf16`` ...).
     """
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
     check_supported(config)
     tp = parallel.get("tensor_model_parallel_size", 1)
     cp = parallel.get("context_parallel_size", 1)
     moe = _moe_fields(config, tp * cp) if config.moe is not None else {}
-    if moe and tp > 1 and not parallel.get("sequence_parallel", False):
-        # As megatron-LM requires: without it every TP rank routes the same tokens and megatron's router losses
-        # count each token once per TP rank.
+    if (moe or config.mla is not None) and tp > 1 and not parallel.get("sequence_parallel", False):
+        # MoE, as megatron-LM requires: without it every TP rank routes the same tokens and megatron's router
+        # losses count each token once per TP rank. MLA: the rotary key's gradient is summed over the TP ranks'
+        # heads by the sequence all-gather's backward, and megatron sums the latent norms' gradients over TP.
         raise ValueError(
-            f"tensor_model_parallel_size ({tp}) with a mixture-of-experts model needs sequence_parallel=True "
-            "(as megatron-core's MoE layers expect)"
+            f"tensor_model_parallel_size ({tp}) with a mixture-of-experts model or multi-latent attention needs "
+            "sequence_parallel=True (as megatron-core's MoE and MLA layers expect)"
         )
-    return TransformerConfig(
+    cls, mla = (TransformerConfig, {}) if config.mla is None else (MLATransformerConfig, _mla_fields(config))
+    return cls(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.intermediate_size,
@@ -192,7 +255,7 @@ def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
         activation_func=F.silu,
         add_bias_linear=config.mlp_bias,
         add_qkv_bias=config.attention_bias,
-        qk_layernorm=config.qk_norm,
+        qk_layernorm=config.qk_norm or config.mla is not None,
         hidden_dropout=0.0,
         attention_dropout=0.0,
         init_method_std=config.initializer_range,
@@ -204,8 +267,32 @@ def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
         persist_layer_norm=False,
         gradient_accumulation_fusion=False,
         calculate_per_token_loss=True,
+        **mla,
         **moe,
         **parallel,
+    )
+
+
+def _mla_fields(config: LLMConfig) -> dict[str, Any]:
+    """``MLATransformerConfig`` fields of multi-latent attention (DeepSeek-V3).
+
+    Plain RoPE on the ``qk_rope_head_dim`` rotary part, whose frequencies :func:`build_gpt_model` replaces with
+    forge's own (plain, linear or llama3-scaled; YaRN is not a rope type of the native model), and no YaRN mscale:
+    the softmax scale is ``1 / sqrt(qk_nope_head_dim + qk_rope_head_dim)``, as natively. megatron de-interleaves the
+    rotary dimensions of queries and keys (``rope_interleave=True``, checked by :func:`check_supported`).
+    """
+    m = config.mla
+    return dict(
+        q_lora_rank=m.q_lora_rank,
+        kv_lora_rank=m.kv_lora_rank,
+        qk_head_dim=m.qk_nope_head_dim,
+        qk_pos_emb_head_dim=m.qk_rope_head_dim,
+        v_head_dim=m.v_head_dim,
+        rope_type="rope",
+        rotary_base=config.rope_theta,
+        rotary_scaling_factor=1.0,
+        mscale=1.0,
+        mscale_all_dim=0.0,
     )
 
 
@@ -251,7 +338,13 @@ def build_gpt_model(
         rotary_base=int(config.rope_theta),
         vp_stage=vp_stage,
     )
-    model.rotary_pos_emb.inv_freq = rope_inv_freq(config.head_dim, config.rope_theta, config.rope_scaling)
+    # With MLA each layer's attention has its own rotary embedding (of a head's rotary part), the model none.
+    if config.mla is None:
+        rotaries = [model.rotary_pos_emb]
+    else:
+        rotaries = [layer.self_attention.rotary_pos_emb for layer in model.decoder.layers]
+    for rotary in rotaries:
+        rotary.inv_freq = rope_inv_freq(config.rope_head_dim, config.rope_theta, config.rope_scaling)
     return model
 
 
@@ -283,22 +376,43 @@ def _layer_rules(m: str, layer: nn.Module, config: LLMConfig) -> Iterator[Weight
     attn = f"{h}self_attn."
     yield WeightRule(f"{m}input_layernorm.weight", (f"{h}input_layernorm.weight",), REPLICATED)
     yield WeightRule(f"{m}pre_mlp_layernorm.weight", (f"{h}post_attention_layernorm.weight",), REPLICATED)
-    qkv = tuple(f"{attn}{p}_proj.weight" for p in "qkv")
-    yield WeightRule(f"{m}self_attention.linear_qkv.weight", qkv, QKV)
-    yield WeightRule(f"{m}self_attention.linear_proj.weight", (f"{attn}o_proj.weight",), ROW)
-    if config.attention_bias:
-        yield WeightRule(
-            f"{m}self_attention.linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), QKV
-        )
-    if config.o_proj_bias:
-        yield WeightRule(f"{m}self_attention.linear_proj.bias", (f"{attn}o_proj.bias",), REPLICATED)
-    if config.qk_norm:
-        yield WeightRule(f"{m}self_attention.q_layernorm.weight", (f"{attn}q_norm.weight",), REPLICATED)
-        yield WeightRule(f"{m}self_attention.k_layernorm.weight", (f"{attn}k_norm.weight",), REPLICATED)
+    if config.mla is not None:
+        yield from _mla_rules(f"{m}self_attention.", attn, config)
+    else:
+        yield from _attention_rules(f"{m}self_attention.", attn, config)
     if config.is_moe_layer(index):
         yield from _moe_rules(f"{m}mlp.", f"{h}mlp.", layer.mlp, config)
     else:
         yield from _mlp_rules(f"{m}mlp.", f"{h}mlp.", bias=config.mlp_bias)
+
+
+def _attention_rules(m: str, attn: str, config: LLMConfig) -> Iterator[WeightRule]:
+    """Grouped-query attention: fused QKV, output projection, their biases and the q/k norms."""
+    qkv = tuple(f"{attn}{p}_proj.weight" for p in "qkv")
+    yield WeightRule(f"{m}linear_qkv.weight", qkv, QKV)
+    yield WeightRule(f"{m}linear_proj.weight", (f"{attn}o_proj.weight",), ROW)
+    if config.attention_bias:
+        yield WeightRule(f"{m}linear_qkv.bias", tuple(f"{attn}{p}_proj.bias" for p in "qkv"), QKV)
+    if config.o_proj_bias:
+        yield WeightRule(f"{m}linear_proj.bias", (f"{attn}o_proj.bias",), REPLICATED)
+    if config.qk_norm:
+        yield WeightRule(f"{m}q_layernorm.weight", (f"{attn}q_norm.weight",), REPLICATED)
+        yield WeightRule(f"{m}k_layernorm.weight", (f"{attn}k_norm.weight",), REPLICATED)
+
+
+def _mla_rules(m: str, attn: str, config: LLMConfig) -> Iterator[WeightRule]:
+    """Multi-latent attention: the down projections and latent norms whole on every TP rank, the up projections
+    split by heads (rows), the output projection by heads (columns)."""
+    if config.mla.q_lora_rank is None:
+        yield WeightRule(f"{m}linear_q_proj.weight", (f"{attn}q_proj.weight",), COLUMN)
+    else:
+        yield WeightRule(f"{m}linear_q_down_proj.weight", (f"{attn}q_a_proj.weight",), REPLICATED)
+        yield WeightRule(f"{m}q_layernorm.weight", (f"{attn}q_a_layernorm.weight",), REPLICATED)
+        yield WeightRule(f"{m}linear_q_up_proj.weight", (f"{attn}q_b_proj.weight",), COLUMN)
+    yield WeightRule(f"{m}linear_kv_down_proj.weight", (f"{attn}kv_a_proj_with_mqa.weight",), REPLICATED)
+    yield WeightRule(f"{m}kv_layernorm.weight", (f"{attn}kv_a_layernorm.weight",), REPLICATED)
+    yield WeightRule(f"{m}linear_kv_up_proj.weight", (f"{attn}kv_b_proj.weight",), COLUMN)
+    yield WeightRule(f"{m}linear_proj.weight", (f"{attn}o_proj.weight",), ROW)
 
 
 def _mlp_rules(m: str, h: str, *, bias: bool = False, expert: bool = False) -> Iterator[WeightRule]:
@@ -311,8 +425,11 @@ def _mlp_rules(m: str, h: str, *, bias: bool = False, expert: bool = False) -> I
 
 
 def _moe_rules(m: str, h: str, moe_layer: nn.Module, config: LLMConfig) -> Iterator[WeightRule]:
-    """A MoE layer's rules: the router, this expert-parallel rank's experts and the shared expert."""
+    """A MoE layer's rules: the router (and its selection bias, a buffer), this expert-parallel rank's experts and
+    the shared expert."""
     yield WeightRule(f"{m}router.weight", (f"{h}gate.weight",), REPLICATED)
+    if config.moe.score_func == "sigmoid":
+        yield WeightRule(f"{m}router.expert_bias", (f"{h}gate.e_score_correction_bias",), REPLICATED)
     # `local_expert_indices`: the global indices of the experts this expert-parallel rank holds, in order.
     for i, e in enumerate(moe_layer.local_expert_indices):
         yield from _mlp_rules(f"{m}experts.local_experts.{i}.", f"{h}experts.{e}.", expert=True)
@@ -328,6 +445,13 @@ def unwrap(model: nn.Module) -> nn.Module:
     while hasattr(model, "module") and not hasattr(model, "decoder"):
         model = model.module
     return model
+
+
+def named_tensors(model: nn.Module) -> dict[str, Tensor]:
+    """The tensors the weight rules fill, by megatron name: the chunk's parameters and buffers (a DeepSeek-V3
+    router's selection bias, ``mlp.router.expert_bias``, is a buffer)."""
+    gpt = unwrap(model)
+    return {**dict(gpt.named_buffers()), **dict(gpt.named_parameters())}
 
 
 # ------------------------------------------------------------------------------------------ HF -> TP shard
@@ -446,7 +570,7 @@ def load_hf_weights(
     Raises:
         ValueError: a shard's shape differs from the parameter's (names both).
     """
-    params = dict(unwrap(model).named_parameters())
+    params = named_tensors(model)
     for rule in weight_rules(model, config):
         rank, size = expert_tp if rule.expert and expert_tp is not None else (tp_rank, tp_size)
         shard = shard_for_rank(rule, [read(name) for name in rule.hf], config, rank, size)

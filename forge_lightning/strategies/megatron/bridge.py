@@ -29,6 +29,7 @@ from forge_lightning.modules.llm.megatron import (
     assemble_shard,
     load_hf_weights,
     merge_shards,
+    named_tensors,
     shard_indices,
     unwrap,
     weight_rules,
@@ -175,7 +176,7 @@ def load_hf_checkpoint(
     )
     with SafetensorsSlices(path) as files, torch.no_grad():
         for chunk in chunks:
-            params = dict(unwrap(chunk).named_parameters())
+            params = named_tensors(chunk)
             for rule in weight_rules(chunk, config):
                 param = params[rule.megatron]
                 rank, size = expert_tp if rule.expert else tp
@@ -242,28 +243,27 @@ def export_hf_state(chunks: Sequence[nn.Module], config: LLMConfig) -> dict[str,
     stage = parallel_state.get_pipeline_model_parallel_rank()
     local: dict[tuple[str, ...], tuple[WeightRule, Tensor]] = {}  # the tensors this rank gathers
     for chunk in chunks:
-        params = dict(unwrap(chunk).named_parameters())
+        params = named_tensors(chunk)
         for rule in weight_rules(chunk, config):
             if replica[rule.expert] == 0:
                 local.setdefault(rule.hf, (rule, params[rule.megatron]))
     published: list[Any] = [None] * dist.get_world_size()
-    mine = [(hf, stage, groups[rule.expert].rank()) for hf, (rule, _) in local.items()]
+    # With the dtype: a router's selection bias stays fp32 in a bf16 model.
+    mine = [(hf, stage, groups[rule.expert].rank(), t.dtype) for hf, (rule, t) in local.items()]
     dist.all_gather_object(published, mine)
     # One order for every rank (first appearance by rank); each tensor's gatherers: its first stage's holders.
     first_stage: dict[tuple[str, ...], int] = {}
     for entries in published:
-        for hf, st, _ in entries:
+        for hf, st, *_ in entries:
             first_stage[hf] = min(st, first_stage.get(hf, st))
     sources = {
-        hf: r
+        hf: (r, dt)
         for r, entries in enumerate(published)
-        for hf, st, tp in entries
+        for hf, st, tp, dt in entries
         if tp == 0 and st == first_stage[hf]
     }
-    some_param = next(
-        unwrap(chunks[0]).parameters()
-    )  # a rank may hold no tensor to gather (DP > 0, no experts)
-    dtype, device = some_param.dtype, some_param.device
+    # A rank may hold no tensor to gather (DP > 0, no experts).
+    device = next(unwrap(chunks[0]).parameters()).device
     shapes = _hf_shapes(config) if dist.get_rank() == 0 else {}
     state: dict[str, Tensor] = {}
     for hf in first_stage:
@@ -274,7 +274,8 @@ def export_hf_state(chunks: Sequence[nn.Module], config: LLMConfig) -> dict[str,
             shards = [torch.empty_like(param) for _ in range(group.size())]
             dist.all_gather(shards, param.detach().contiguous(), group=group)
             full = merge_shards(rule, shards, config) if group.rank() == 0 else None
-        state.update(_to_rank_zero(full, hf, sources[hf], shapes, (dtype, device)))
+        src, dtype = sources[hf]
+        state.update(_to_rank_zero(full, hf, src, shapes, (dtype, device)))
     return state if dist.get_rank() == 0 else {}
 
 

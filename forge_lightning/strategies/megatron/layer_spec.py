@@ -11,14 +11,21 @@ dispatcher, ``SequentialMLP`` experts, shared expert) and ``TransformerLayer`` a
   kernels on CUDA, a math kernel on CPU); with context parallelism, Ulysses all-to-all attention over megatron's CP
   group (megatron's own CP needs TransformerEngine's attention).
 
-With TransformerEngine importable, :func:`gpt_decoder_spec` uses megatron's TE layer spec instead.
+Multi-latent attention (DeepSeek-V3) is megatron's ``MLASelfAttention`` with the same core attention, its query and
+key/value down projections replicated over the TP ranks (as in megatron's TE spec, see :func:`local_mla_spec`) and
+DeepSeek's latent norms (:class:`LatentRMSNorm`). MoE routers are :class:`MegatronTopKRouter` (the selection bias
+stays fp32).
+
+With TransformerEngine importable, :func:`gpt_decoder_spec` uses megatron's TE layer spec instead (not for MLA).
 """
 
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
@@ -30,7 +37,9 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -41,6 +50,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import Tensor
 
+from forge_lightning.modules.layers.mla import LATENT_NORM_EPS
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.strategies.context_parallel import (
     ContextParallel,
@@ -70,6 +80,14 @@ class MegatronRMSNorm(RMSNorm):
         self.weight.sequence_parallel = config.sequence_parallel
 
 
+class LatentRMSNorm(MegatronRMSNorm):
+    """MLA's query and key/value latent norms (``q_layernorm``, ``kv_layernorm``): DeepSeek's fixed epsilon
+    (:data:`~forge_lightning.modules.layers.mla.LATENT_NORM_EPS`), whatever ``layernorm_epsilon`` megatron passes."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+        super().__init__(config, hidden_size, LATENT_NORM_EPS)
+
+
 class SDPACoreAttention(MegatronModule):
     """Causal core attention on ``scaled_dot_product_attention``, in megatron's ``[s, b, heads, dim]`` layout.
 
@@ -83,6 +101,7 @@ class SDPACoreAttention(MegatronModule):
 
     RoPE was applied before, at the global positions (megatron's rotary embedding selects this rank's chunks). When
     the rank's key/value groups do not divide by ``P`` (e.g. MQA), they are repeated to the query heads first.
+    Values may have another head size than queries and keys (multi-latent attention).
 
     Args:
         config: the transformer config.
@@ -90,7 +109,7 @@ class SDPACoreAttention(MegatronModule):
         attn_mask_type: must be causal.
         attention_type: ``self`` (megatron passes it).
         attention_dropout: dropout probability (default: ``config.attention_dropout``).
-        softmax_scale: score scale (default: ``1 / sqrt(kv_channels)``).
+        softmax_scale: score scale (default: ``1 / sqrt(query head size)``; MLA passes its own).
         pg_collection: megatron's process groups (its ``cp`` group; default: megatron's parallel state).
     """
 
@@ -126,11 +145,12 @@ class SDPACoreAttention(MegatronModule):
         attention_bias: Tensor | None = None,
         packed_seq_params: Any = None,
     ) -> Tensor:
-        """Attention output ``[s, b, heads * dim]`` of ``query`` ``[s, b, heads, dim]`` and ``key`` / ``value``
-        ``[s, b, groups, dim]`` (causal; ``attention_mask`` is ignored; ``s`` is this rank's share under CP)."""
+        """Attention output ``[s, b, heads * dim_v]`` of ``query`` ``[s, b, heads, dim]``, ``key``
+        ``[s, b, groups, dim]`` and ``value`` ``[s, b, groups, dim_v]`` (causal; ``attention_mask`` is ignored; ``s`` is
+        this rank's share under CP)."""
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("packed sequences and attention bias are not yet supported")
-        s, b, heads, dim = query.shape
+        s, b, heads, _ = query.shape
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         repeat = heads // k_BGSD.shape[1]
         if repeat > 1 and (self.cp is None or k_BGSD.shape[1] % self.cp.size):
@@ -154,7 +174,7 @@ class SDPACoreAttention(MegatronModule):
         )
         if self.cp is not None:
             out_BHSD = to_sequence_parallel(out_BHSD, self.cp)  # [b, h, s/P, D]
-        return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, heads * dim)  # [s, b, heads * dim]
+        return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * dim_v]
 
 
 def load_balanced_chunk_order(cp: int) -> tuple[int, ...]:
@@ -173,6 +193,22 @@ def _define_missing_te_gemm() -> None:
         moe_utils.te_general_gemm = None
 
 
+class MegatronTopKRouter(TopKRouter):
+    """megatron's ``TopKRouter`` whose selection bias (``expert_bias``, sigmoid routing) and its token counts stay
+    fp32 when the model is cast (``Float16Module``), as natively: the biases are small differences between scores in
+    [0, 1], and rounding them to bf16 changes which experts win (megatron casts them back to fp32 only after the
+    rounding)."""
+
+    def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MegatronTopKRouter:
+        kept = {name: getattr(self, name, None) for name in ("expert_bias", "local_tokens_per_expert")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if before is not None and after.dtype != torch.float32:
+                setattr(self, name, before.to(after.device, torch.float32))
+        return self
+
+
 def local_moe_spec() -> ModuleSpec:
     """megatron's ``MoELayer`` from its own parallel linears: top-k router, token dispatcher, ``SequentialMLP``
     experts (one GEMM per local expert; grouped GEMMs need TransformerEngine) and an optional shared expert."""
@@ -183,20 +219,66 @@ def local_moe_spec() -> ModuleSpec:
         submodules=MoESubmodules(
             experts=ModuleSpec(module=SequentialMLP, submodules=linears),
             shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears),
+            router=MegatronTopKRouter,
         ),
         metainfo={"fuse_pre_mlp_layernorm": False},
     )
 
 
-def local_layer_spec(qk_norm: bool, *, moe: bool = False) -> ModuleSpec:
+def _mark_missing_te_for_mla() -> None:
+    """megatron-core 0.16.1's MLA module imports its TransformerEngine wrappers even without TE (they are then mocks,
+    not classes), so it believes TE present and every MLA build fails on ``isinstance(..., TELinear)``. Without TE,
+    tell it so (it then takes its own torch path); with TE this changes nothing."""
+    from megatron.core.transformer import multi_latent_attention
+
+    if not transformer_engine_available():
+        multi_latent_attention.HAVE_TE = False
+
+
+def local_mla_spec() -> ModuleSpec:
+    """megatron's ``MLASelfAttention`` from its own linears, DeepSeek's latent norms and SDPA core attention (query and
+    key heads of ``qk_nope_head_dim + qk_rope_head_dim``, value heads of ``v_head_dim``).
+
+    The query and key/value down projections are megatron's replicated ``Linear`` (the local counterpart of TE's
+    ``duplicated`` linear in megatron's TE spec), not the column-parallel ones of megatron's local MLA spec: those
+    all-gather their outputs, and the gather's backward keeps each TP rank's own slice of the gradient, but the
+    rotary key (one key shared by every head) gets on each rank the gradient of that rank's heads only, so the
+    rotary rows of ``linear_kv_down_proj`` (and the hidden states' gradient through them) would miss the other
+    ranks' heads. Replicated under sequence parallelism, each rank projects its own tokens, megatron all-gathers the
+    rotary key over the sequence and that gather's backward (a reduce-scatter) sums every head's gradient; the
+    weights' gradients are summed over the TP ranks (their ``sequence_parallel`` tag). The up projections are split
+    by heads (column-parallel), the output projection row-parallel.
+    """
+    from megatron.core.post_training.modelopt.layers import Linear
+
+    _mark_missing_te_for_mla()
+    return ModuleSpec(
+        module=MLASelfAttention,
+        params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=ColumnParallelLinear,
+            linear_q_down_proj=Linear,
+            linear_q_up_proj=ColumnParallelLinear,
+            linear_kv_down_proj=Linear,
+            linear_kv_up_proj=ColumnParallelLinear,
+            core_attention=SDPACoreAttention,
+            linear_proj=RowParallelLinear,
+            q_layernorm=LatentRMSNorm,
+            kv_layernorm=LatentRMSNorm,
+        ),
+    )
+
+
+def local_layer_spec(qk_norm: bool, *, moe: bool = False, mla: bool = False) -> ModuleSpec:
     """The decoder layer from megatron's parallel linears with :class:`MegatronRMSNorm` and SDPA attention.
 
     Args:
         qk_norm: per-head RMSNorm on queries and keys (Qwen3).
         moe: a mixture-of-experts MLP (:func:`local_moe_spec`) instead of the dense one.
+        mla: multi-latent attention (:func:`local_mla_spec`, DeepSeek-V3) instead of grouped-query attention.
     """
     qk = MegatronRMSNorm if qk_norm else IdentityOp
-    attention = ModuleSpec(
+    gqa = ModuleSpec(
         module=SelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
@@ -207,6 +289,7 @@ def local_layer_spec(qk_norm: bool, *, moe: bool = False) -> ModuleSpec:
             k_layernorm=qk,
         ),
     )
+    attention = local_mla_spec() if mla else gqa
     mlp = (
         local_moe_spec()
         if moe
@@ -236,13 +319,25 @@ def gpt_decoder_spec(
     TransformerEngine's spec when TE is importable (or forced), else :func:`local_layer_spec` with
     :class:`MegatronRMSNorm` as the final norm (megatron's default torch norm refuses sequence parallelism). With
     ``num_moe_experts`` set, layer ``i`` is a MoE layer where ``moe_layer_freq[i]`` (a per-layer list) is 1.
+    Multi-latent attention always takes the local spec (TE's MLA spec fuses the latent norms into the up
+    projections, with the model's epsilon and other weight names, and has not been run).
 
     Args:
-        config: the transformer config (layer count, pipeline layout, ``qk_layernorm``, MoE layer pattern).
+        config: the transformer config (layer count, pipeline layout, ``qk_layernorm``, MoE layer pattern, MLA).
         vp_stage: virtual pipeline stage of the model chunk being built.
         use_transformer_engine: force the choice (``None``: TE when importable).
+
+    Raises:
+        NotImplementedError: ``use_transformer_engine=True`` with multi-latent attention.
     """
+    mla = config.multi_latent_attention
+    if use_transformer_engine and mla:
+        raise NotImplementedError(
+            "use_transformer_engine=True with multi-latent attention (DeepSeek-V3): the megatron twin builds MLA "
+            "from the local layer spec only; leave use_transformer_engine unset"
+        )
     use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    use_te = use_te and not mla
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
     offset = get_transformer_layer_offset(config, vp_stage=vp_stage)
     moe_layers = _moe_layer_pattern(config)[offset : offset + num_layers]
@@ -259,7 +354,7 @@ def gpt_decoder_spec(
             for moe in set(moe_layers)
         }
         return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in moe_layers], layer_norm=TENorm)
-    specs = {moe: local_layer_spec(config.qk_layernorm, moe=moe) for moe in set(moe_layers)}
+    specs = {moe: local_layer_spec(config.qk_layernorm, moe=moe, mla=mla) for moe in set(moe_layers)}
     return TransformerBlockSubmodules(
         layer_specs=[specs[moe] for moe in moe_layers], layer_norm=MegatronRMSNorm
     )

@@ -73,6 +73,7 @@ def build_chunks(
     device: torch.device,
     bf16: bool,
     use_transformer_engine: bool | None,
+    config_overrides: dict[str, Any] | None = None,
 ) -> list[nn.Module]:
     """This rank's model chunks (one per virtual stage), holding the module's current weights.
 
@@ -86,6 +87,7 @@ def build_chunks(
         device: where the chunks live.
         bf16: bf16 parameters (wrapped in megatron's ``Float16Module``); fp32 otherwise.
         use_transformer_engine: TE layer spec (``None``: when importable).
+        config_overrides: further ``TransformerConfig`` fields (e.g. a component's recompute settings).
     """
     from megatron.core import parallel_state
     from megatron.core.transformer.module import Float16Module
@@ -100,7 +102,9 @@ def build_chunks(
             f"virtual_pipeline_model_parallel_size ({vpp})"
         )
     _check_experts(config, degrees["expert_model_parallel_size"])
-    use_te = transformer_engine_available() if use_transformer_engine is None else use_transformer_engine
+    use_te = use_transformer_engine
+    if use_te is None:  # multi-latent attention: always the local spec (see gpt_decoder_spec)
+        use_te = transformer_engine_available() and config.mla is None
     if not use_te:  # TransformerEngine's attention brings its own context parallelism (ring attention)
         check_ulysses_heads(config, degrees["tensor_model_parallel_size"], degrees["context_parallel_size"])
     tf_config = transformer_config(
@@ -113,6 +117,7 @@ def build_chunks(
         sequence_parallel=degrees["sequence_parallel"],
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
+        **(config_overrides or {}),
     )
     chunks = []
     for stage in range(vpp):

@@ -16,10 +16,13 @@ def _no_decay(decay_all: bool) -> Any:
 
     if decay_all:
         return {}
-    # Norm weights, biases and the embedding (tied or not) are not decayed; matrices are.
+    # Norm weights, biases and the embedding (tied or not) are not decayed; matrices are. Embedding tables outside the
+    # twin (a composed model's encoder side, see components.py) are tagged `no_weight_decay`.
     rule = ParamWithNamePredicate(
         name="norms_biases_embeddings",
-        fn=lambda param, name: param.ndim < 2 or "word_embeddings" in name,
+        fn=lambda param, name: (
+            param.ndim < 2 or "word_embeddings" in name or getattr(param, "no_weight_decay", False)
+        ),
     )
     return {ParamKey(with_name_predicate=rule): ParamGroupOverride(wd_mult=0.0)}
 

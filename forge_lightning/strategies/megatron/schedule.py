@@ -16,7 +16,7 @@ With context parallelism each micro-batch is first cut to this rank's share of t
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from functools import partial
 from typing import Any
 
@@ -86,6 +86,7 @@ def run_schedule(
     *,
     ignore_index: int,
     forward_only: bool,
+    step_func: Callable[..., tuple] = forward_step,
 ) -> Tensor:
     """Run forward (and backward) of ``batches`` through megatron's schedule.
 
@@ -94,6 +95,8 @@ def run_schedule(
         batches: the micro-batches of one optimizer step (or one evaluation batch).
         ignore_index: label value excluded from the loss.
         forward_only: evaluation (no backward, no gradient finalisation).
+        step_func: ``step_func(ignore_index, data_iterator, model)``, the forward step (:func:`forward_step`; a
+            composed model's runs its encoder side first, see components.py).
 
     Returns:
         ``[loss sum, trainable tokens]`` (float64) of this rank's micro-batches (its share of the sequence under
@@ -106,7 +109,7 @@ def run_schedule(
     micro_batch, seq_length = batches[0]["input_ids"].shape
     iterators: Any = [iter(batches) for _ in chunks]
     outputs = get_forward_backward_func()(
-        forward_step_func=partial(forward_step, ignore_index),
+        forward_step_func=partial(step_func, ignore_index),
         data_iterator=iterators if len(chunks) > 1 else iterators[0],
         model=chunks if len(chunks) > 1 else chunks[0],
         num_microbatches=len(batches),

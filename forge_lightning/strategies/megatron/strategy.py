@@ -53,10 +53,12 @@ from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
 from forge_lightning.strategies.megatron import checkpoint as ckpt
 from forge_lightning.strategies.megatron import model as twin
 from forge_lightning.strategies.megatron.checkpoint import MegatronCheckpointIO
+from forge_lightning.strategies.megatron.components import Components, parse_components
 from forge_lightning.strategies.megatron.optimizer import build_megatron_optimizer, build_schedulers
 from forge_lightning.strategies.megatron.schedule import (
     check_interleaved_micro_batches,
     eval_micro_batches,
+    forward_step,
     router_loss_metrics,
     run_schedule,
 )
@@ -85,6 +87,10 @@ class MegatronStrategy(ParallelStrategy):
         overlap_grad_reduce: overlap the gradient reduce(-scatter) with backward (bucketed).
         overlap_param_gather: overlap the DistributedOptimizer's parameter all-gather with the next forward.
         use_transformer_engine: TE layer spec (``None``: when TE is importable).
+        components: per-component settings, ``{name: {tensor_model_parallel_size, recompute, freeze}}`` for
+            components of the module's ``parallel_plan()``; a composed model (encoder -> projector -> LLM) runs its
+            decoder at this strategy's TP and the other components at TP = 1, data-parallel over the decoder's TP
+            group (see components.py and docs/megatron.md).
         process_group_backend: ``nccl``, ``gloo``...; default from the device.
         timeout: collective timeout.
     """
@@ -106,6 +112,7 @@ class MegatronStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         use_transformer_engine: bool | None = None,
+        components: dict[str, dict[str, Any]] | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -120,6 +127,8 @@ class MegatronStrategy(ParallelStrategy):
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
         self.use_transformer_engine = use_transformer_engine
+        self.components = components
+        self._components: Components | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -167,6 +176,7 @@ class MegatronStrategy(ParallelStrategy):
         )
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         dp = twin.validate_degrees(self.world_size, self._degrees())
+        parse_components(self.components, self.tensor_model_parallel_size)  # names are checked in setup
         from megatron.core import parallel_state
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -224,6 +234,11 @@ class MegatronStrategy(ParallelStrategy):
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
 
+    @property
+    def is_distributed(self) -> bool:
+        """Lightning reads this to give plain data loaders a ``DistributedSampler`` over the data-parallel ranks."""
+        return True
+
     @override
     def barrier(self, name: str | None = None) -> None:
         if torch.distributed.is_initialized():
@@ -254,17 +269,24 @@ class MegatronStrategy(ParallelStrategy):
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         self._bf16 = _bf16(trainer.precision)
+        options = parse_components(self.components, self.tensor_model_parallel_size)
+        parts = self._components = Components(self.lightning_module, options, self._degrees())
         self._chunks = twin.build_chunks(
-            self.lightning_module,
+            parts.decoder_source(),
             self._degrees(),
             device=self.root_device,
             bf16=self._bf16,
             use_transformer_engine=self.use_transformer_engine,
+            config_overrides=parts.decoder_config_overrides(),
         )
+        parts.prepare_decoder(self._chunks)
         self._chunks = twin.wrap_ddp(
             self._chunks, self._degrees(), overlap_grad_reduce=self.overlap_grad_reduce
         )
+        parts.wrap_encoders(self._chunks, device=self.root_device, bf16=self._bf16)
         if trainer.state.fn == TrainerFn.FITTING:
+            if trainer.checkpoint_callbacks:  # fail now, not at the first save
+                parts.check_checkpointing("Saving checkpoints (ModelCheckpoint)")
             check_interleaved_micro_batches(
                 self.pipeline_model_parallel_size,
                 self.virtual_pipeline_model_parallel_size,
@@ -285,8 +307,9 @@ class MegatronStrategy(ParallelStrategy):
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported by "
                 "MegatronStrategy; megatron clips by the global norm ('norm')"
             )
+        # A composed model's encoder side (components.py) is optimised with the twin.
         optimizer = build_megatron_optimizer(
-            self._chunks,
+            self._chunks + self._components.encoder_ddp,
             module.optimizer_config,
             use_distributed_optimizer=self.use_distributed_optimizer,
             overlap_param_gather=self.overlap_param_gather,
@@ -294,6 +317,7 @@ class MegatronStrategy(ParallelStrategy):
             bf16=_bf16(trainer.precision),
         )
         twin.connect_schedule(self._chunks, optimizer, self._degrees(), self.overlap_grad_reduce)
+        self._components.connect(self._chunks)
         total = module.scheduler_config.total_steps or int(trainer.estimated_stepping_batches)
         schedulers = build_schedulers(optimizer, module.scheduler_config, total)
         self.optimizers = [optimizer]
@@ -310,8 +334,12 @@ class MegatronStrategy(ParallelStrategy):
         batches, self._pending = self._pending, []
         for chunk in self._chunks:
             chunk.zero_grad_buffer()
+        self._components.zero_grad_buffers()
         self.optimizers[0].zero_grad()
-        sums = run_schedule(self._chunks, batches, ignore_index=self._ignore_index(), forward_only=False)
+        step = self._step_func()
+        sums = run_schedule(
+            self._chunks, batches, ignore_index=self._ignore_index(), forward_only=False, step_func=step
+        )
         sums = self.reduce(sums, reduce_op="sum")
         loss = (sums[0] / sums[1].clamp_min(1)).float()
         self.lightning_module.log("train/loss", loss, prog_bar=True, rank_zero_only=True)
@@ -340,6 +368,10 @@ class MegatronStrategy(ParallelStrategy):
     def _ignore_index(self) -> int:
         return getattr(self.lightning_module, "ignore_index", -100)
 
+    def _step_func(self) -> Any:
+        """The schedule's forward step: a composed model's runs its encoder side first (components.py)."""
+        return self._components.forward_step if self._components.composed else forward_step
+
     # ----- evaluation -------------------------------------------------------------------------------------------
     def _eval_step(self, prefix: str, batch: dict[str, torch.Tensor]) -> None:
         for chunk in self._chunks:
@@ -348,7 +380,10 @@ class MegatronStrategy(ParallelStrategy):
         groups = self.pipeline_model_parallel_size if len(self._chunks) > 1 else 1
         batches = eval_micro_batches(batch, groups, ignore_index=self._ignore_index())
         with torch.no_grad():
-            sums = run_schedule(self._chunks, batches, ignore_index=self._ignore_index(), forward_only=True)
+            step = self._step_func()
+            sums = run_schedule(
+                self._chunks, batches, ignore_index=self._ignore_index(), forward_only=True, step_func=step
+            )
         sums = self.reduce(sums, reduce_op="sum")
         for chunk in self._chunks:
             chunk.train()
@@ -382,6 +417,7 @@ class MegatronStrategy(ParallelStrategy):
         """
         from forge_lightning.strategies.megatron.bridge import export_hf_state
 
+        self._components.check_checkpointing("full_model_state_dict")
         return export_hf_state(self._chunks, self.lightning_module.config)
 
     # ----- checkpoints (see checkpoint.py) ----------------------------------------------------------------------
@@ -428,6 +464,7 @@ class MegatronStrategy(ParallelStrategy):
         """Write a megatron-core dist-checkpoint directory at ``filepath`` (collective; atomic)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes its own checkpoints and takes no storage_options")
+        self._components.check_checkpointing("Saving a checkpoint")
         path = self.broadcast(str(filepath))
         with_optimizer = "optimizer_states" in checkpoint  # absent in ModelCheckpoint(save_weights_only=True)
         optimizer = self.optimizers[0] if with_optimizer and self.optimizers else None
@@ -444,6 +481,7 @@ class MegatronStrategy(ParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint of any layout into this rank's chunks (and optimizer, when fitting). Collective."""
+        self._components.check_checkpointing("Loading a checkpoint")
         path = Path(self.broadcast(str(checkpoint_path)))
         meta = ckpt.check_is_checkpoint(path)
         ckpt.check_model_config(path, self.lightning_module.config)

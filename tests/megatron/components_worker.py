@@ -1,0 +1,162 @@
+"""2-process worker: the tiny encoder -> projector -> LLM model (encoder_decoder.py) under MegatronStrategy with
+per-component settings, one ``Trainer.fit`` per case in the same processes (megatron-core is imported once).
+
+``python -m torch.distributed.run --nproc-per-node 2 components_worker.py OUT_DIR CASE...`` (gloo, CPU shim; cases
+from :data:`CASES`; each validates on 2 batches after every step). Each case writes its CSV log under ``OUT_DIR/CASE`` (global rank 0) and, per rank,
+``OUT_DIR/CASE_rank{r}.pt``: the encoder side's parameters before and after the steps, the number of parameters
+megatron's optimizer holds and which parts recompute. A case named ``bad_*`` is expected to fail: its error message goes to
+``OUT_DIR/CASE_error.txt``. test_components.py compares them with the single-process reference (:data:`CASES`'s
+``reference``: the batch of all data-parallel ranks, the same freezing as a module option).
+"""
+
+import faulthandler
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import cuda_shim
+
+cuda_shim.install()
+
+import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from encoder_decoder import EncoderConfig, EncoderDecoderLM, samples  # noqa: E402
+from lightning.pytorch.loggers import CSVLogger  # noqa: E402
+from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+SEED = 7
+MODEL = dict(llm="debug", optimizer={"lr": 1e-3})
+STEPS = 3
+RECOMPUTE = {"encoder": {"recompute": "full"}, "llm": {"recompute": "full"}}
+FROZEN = {"encoder": {"freeze": True}, "llm": {"freeze": True}}  # only the projector trains (LLaVA stage 1)
+# strategy: MegatronStrategy options; batch: per data-parallel rank (3: not divisible by TP = 2, so the second TP
+# rank pads its share); reference: the one-process run with the same global batch.
+CASES = {
+    "tp2": dict(
+        strategy=dict(tensor_model_parallel_size=2, components=RECOMPUTE),
+        batch=3,
+        accumulate=2,
+        reference=dict(batch=3, accumulate=2),
+    ),
+    "tp2_sp": dict(
+        strategy=dict(tensor_model_parallel_size=2, sequence_parallel=True),
+        batch=3,
+        accumulate=2,
+        reference=dict(batch=3, accumulate=2),
+    ),
+    "tp2_frozen": dict(
+        strategy=dict(tensor_model_parallel_size=2, components=FROZEN),
+        batch=3,
+        accumulate=1,
+        reference=dict(batch=3, accumulate=1, freeze=["encoder", "llm"]),
+    ),
+    "dp2": dict(strategy=dict(), batch=3, accumulate=1, reference=dict(batch=6, accumulate=1)),
+    "bad_name": dict(
+        strategy=dict(tensor_model_parallel_size=2, components={"vision": {}}), batch=3, accumulate=1
+    ),
+    "bad_checkpointing": dict(
+        strategy=dict(tensor_model_parallel_size=2),
+        batch=3,
+        accumulate=1,
+        trainer=dict(enable_checkpointing=True),
+    ),
+}
+
+
+def build_module(freeze: list[str] | None = None) -> EncoderDecoderLM:
+    pl.seed_everything(SEED, verbose=False)
+    return EncoderDecoderLM(**MODEL, freeze=freeze)
+
+
+def data(batch: int, dp: int = 1, dp_rank: int = 0) -> DataLoader:
+    """The samples in order, ``dp_rank``'s share of them (rank r: r, r + dp, ...): the global batch of a step is the
+    reference's. Sharded here: MegatronStrategy leaves a plain DataLoader's sampler alone (forge's datamodules
+    shard by its ``data_parallel_rank``)."""
+    dataset = samples(36, EncoderConfig(), vocab_size=256)
+    sampler = DistributedSampler(dataset, num_replicas=dp, rank=dp_rank, shuffle=False)
+    return DataLoader(dataset, batch_size=batch, sampler=sampler)
+
+
+def trainer_kwargs(out: Path, name: str, accumulate: int) -> dict:
+    return dict(
+        accelerator="cpu",
+        max_steps=STEPS,
+        accumulate_grad_batches=accumulate,
+        precision="32-true",
+        logger=CSVLogger(out, name=name, version=0),
+        log_every_n_steps=1,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=2,
+        val_check_interval=accumulate,  # after every optimizer step
+    )
+
+
+def encoder_side(module: EncoderDecoderLM) -> dict[str, torch.Tensor]:
+    return {
+        f"{part}.{k}": v.detach().clone()
+        for part in ("encoder", "projector")
+        for k, v in getattr(module.model, part).state_dict().items()
+    }
+
+
+def run_case(out: Path, name: str) -> None:
+    from forge_lightning.modules.llm.megatron import unwrap
+    from forge_lightning.strategies.megatron import MegatronStrategy
+    from forge_lightning.strategies.megatron.optimizer import torch_optimizers
+
+    case = CASES[name]
+    module = build_module()
+    before = encoder_side(module)
+    held: dict[str, object] = {}
+
+    class _Inspect(pl.Callback):
+        def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+            inner = torch_optimizers(trainer.strategy.optimizers[0])
+            held["optimizer_params"] = sum(len(g["params"]) for opt in inner for g in opt.param_groups)
+            held["recompute"] = unwrap(trainer.strategy._chunks[0]).config.recompute_granularity
+            blocks = pl_module.model.encoder.blocks
+            held["encoder_recompute"] = all(getattr(b, "_forge_megatron_recompute", False) for b in blocks)
+
+    trainer = pl.Trainer(
+        devices=2,
+        strategy=MegatronStrategy(**case["strategy"]),
+        callbacks=[_Inspect()],
+        **{**trainer_kwargs(out, name, case["accumulate"]), **case.get("trainer", {})},
+    )
+    tp = case["strategy"].get("tensor_model_parallel_size", 1)
+    rank = int(os.environ["RANK"])
+    try:
+        loader = data(case["batch"], int(os.environ["WORLD_SIZE"]) // tp, rank // tp)
+        trainer.fit(module, loader, val_dataloaders=loader)
+    except Exception as err:
+        if not name.startswith("bad_"):
+            raise
+        if dist.get_rank() == 0:
+            (out / f"{name}_error.txt").write_text(f"{type(err).__name__}: {err}")
+        return
+    after = encoder_side(module)
+    torch.save(
+        {"before": before, "after": after, **held},
+        out / f"{name}_rank{dist.get_rank()}.pt",
+    )
+
+
+def main(out: Path, names: list[str]) -> None:
+    faulthandler.dump_traceback_later(240, exit=True)  # a hung collective fails with every thread's stack
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        run_case(out, name)
+    dist.barrier()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)  # results are written: skip the group's and the interpreter's teardown (gloo can abort in it)
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]), sys.argv[2:])

@@ -1,0 +1,251 @@
+"""Per-component parallelism under MegatronStrategy: a composed model (encoder -> projector -> LLM,
+encoder_decoder.py) with the encoder side at TP = 1 and the decoder at TP = 2 trains to the one-process losses.
+
+One 2-process launch (components_worker.py, ~30 s) runs every case; the references are the same module under
+Lightning's default strategy on this process, with the same global batch (fp32, 3 steps, AdamW lr 1e-3,
+validation on 2 batches after every step):
+
+    tp2         TP 2 (DP 1), batch 3 (the second TP rank pads its share), 2 micro-batches, full recompute of the
+                encoder's blocks and of the decoder's layers
+    tp2_sp      TP 2 + sequence parallel (the merged inputs scattered over the sequence after the hand-over)
+    tp2_frozen  TP 2, encoder and LLM frozen by the strategy's option: only the projector trains
+    dp2         TP 1 x DP 2: the encoder side's gradients all-reduced over the data-parallel ranks
+    bad_name    an unknown component: a clear error through Trainer.fit on both ranks
+    bad_checkpointing  a ModelCheckpoint with a composed model: refused at setup, not at the first save
+"""
+
+import csv
+import dataclasses
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from components_worker import CASES, build_module, data, encoder_side, trainer_kwargs
+from conftest import torchrun
+from encoder_decoder import EncoderDecoderLM
+
+from forge_lightning.modules.plan import Component, Composition, ParallelPlan
+from forge_lightning.strategies.megatron.components import (
+    ComponentOptions,
+    parse_components,
+    resolve_components,
+    sample_rows,
+)
+
+HERE = Path(__file__).resolve().parent
+LOSS_TOL = 1e-5  # |train/loss or val/loss - one process| per step (measured <= 9.5e-7)
+# |encoder side after 3 steps - one process|: Adam amplifies fp32 rounding (measured <= 1.1e-5)
+PARAM_TOL = 1e-4
+
+
+def _losses(root: Path, name: str, key: str = "train/loss") -> dict[int, float]:
+    rows = csv.DictReader((root / name / "version_0" / "metrics.csv").open())
+    return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
+
+
+_REFERENCES: dict[tuple, tuple] = {}
+
+
+def _reference(root: Path, name: str) -> tuple[dict[int, float], dict[int, float], dict[str, torch.Tensor]]:
+    """The case's reference run (cached: cases with the same global batch share one)."""
+    ref = CASES[name]["reference"]
+    key = (root, ref["batch"], ref["accumulate"], tuple(ref.get("freeze", ())))
+    if key not in _REFERENCES:
+        module = build_module(ref.get("freeze"))
+        trainer = pl.Trainer(devices=1, **trainer_kwargs(root, f"{name}_reference", ref["accumulate"]))
+        loader = data(ref["batch"])
+        trainer.fit(module, loader, val_dataloaders=loader)
+        logged = f"{name}_reference"
+        _REFERENCES[key] = _losses(root, logged), _losses(root, logged, "val/loss"), encoder_side(module)
+    return _REFERENCES[key]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("components")
+    torchrun(HERE / "components_worker.py", root, *CASES)
+    return root
+
+
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "dp2"])
+def test_composed_model_matches_one_process(runs, name):
+    losses, val = _losses(runs, name), _losses(runs, name, "val/loss")
+    expected, expected_val, reference_params = _reference(runs, name)
+    assert sorted(losses) == sorted(expected) == sorted(val) == sorted(expected_val) == [0, 1, 2]
+    deltas = {s: abs(losses[s] - expected[s]) for s in losses}
+    assert max(deltas.values()) <= LOSS_TOL, deltas
+    val_deltas = {s: abs(val[s] - expected_val[s]) for s in val}
+    assert max(val_deltas.values()) <= LOSS_TOL, val_deltas
+    ranks = [torch.load(runs / f"{name}_rank{r}.pt") for r in (0, 1)]
+    # components.encoder / components.llm recompute: full in the tp2 case only
+    recompute = (ranks[0]["recompute"], ranks[0]["encoder_recompute"])
+    assert recompute == (("full", True) if name == "tp2" else (None, False))
+    assert ranks[0]["recompute"] == ("full" if name == "tp2" else None)  # the decoder's, from components.llm
+    for key, value in ranks[0]["after"].items():
+        assert torch.equal(value, ranks[1]["after"][key]), key  # the replicas stay identical
+        assert (value - ranks[0]["before"][key]).abs().max() > 0, key  # and trained
+        assert (value - reference_params[key]).abs().max() <= PARAM_TOL, key
+
+
+def test_gradient_norm_is_the_same_at_every_layout(runs):
+    """Same global batch (6 samples a step) and weights: the gradient norm counts the replicated encoder side once."""
+    norms = {name: _losses(runs, name, "train/grad_norm") for name in ("tp2", "tp2_sp", "dp2")}
+    for step in range(3):
+        values = [n[step] for n in norms.values()]
+        assert max(values) - min(values) <= 1e-5 * max(values), (step, norms)
+
+
+def test_frozen_components_stay_unchanged(runs):
+    losses = _losses(runs, "tp2_frozen")
+    expected, _, reference_params = _reference(runs, "tp2_frozen")
+    assert max(abs(losses[s] - expected[s]) for s in expected) <= LOSS_TOL, (losses, expected)
+    for rank in (0, 1):
+        run = torch.load(runs / f"tp2_frozen_rank{rank}.pt")
+        assert (
+            run["optimizer_params"] == 4
+        )  # the projector's two weights and biases: no state for frozen ones
+        for key, value in run["after"].items():
+            if key.startswith("encoder."):
+                assert torch.equal(value, run["before"][key]), key
+            else:
+                assert (value - run["before"][key]).abs().max() > 0, key
+                assert (value - reference_params[key]).abs().max() <= PARAM_TOL, key
+
+
+def test_unknown_component_and_checkpointing_fail_clearly_through_fit(runs):
+    message = (runs / "bad_name_error.txt").read_text()
+    assert message == (
+        "ValueError: components names ['vision'], but the module's plan has the components "
+        "['encoder', 'projector', 'llm']"
+    )
+    message = (runs / "bad_checkpointing_error.txt").read_text()
+    assert message.startswith("NotImplementedError: Saving checkpoints (ModelCheckpoint) of a composed model")
+
+
+# ----------------------------------------------------------------------------------------------- option checks
+
+DEGREES = dict(
+    tensor_model_parallel_size=2,
+    pipeline_model_parallel_size=1,
+    context_parallel_size=1,
+    use_distributed_optimizer=False,
+)
+
+
+@pytest.mark.parametrize(
+    ("raw", "error", "match"),
+    [
+        ({"encoder": {"tp": 1}}, ValueError, r"components.encoder: unknown option\(s\) \['tp'\]"),
+        ({"encoder": {"tensor_model_parallel_size": 3}}, ValueError, r"\(3\) must divide .* \(2\)"),
+        ({"encoder": {"tensor_model_parallel_size": 0}}, ValueError, "must be a positive integer"),
+        ({"encoder": {"recompute": "selective"}}, ValueError, r"recompute must be one of \['none', 'full'\]"),
+        ({"encoder": {"freeze": "yes"}}, ValueError, "freeze must be true, false or null"),
+        ({"encoder": 1}, TypeError, "components.encoder must be a mapping"),
+        ([1], TypeError, "components must map component names"),
+    ],
+)
+def test_component_options_are_checked(raw, error, match):
+    with pytest.raises(error, match=match):
+        parse_components(raw, tensor_model_parallel_size=2)
+
+
+def _plan() -> ParallelPlan:
+    torch.manual_seed(0)
+    return EncoderDecoderLM().parallel_plan()
+
+
+def _resolve(raw, **degrees):
+    return resolve_components(_plan(), parse_components(raw, 2), {**DEGREES, **degrees})
+
+
+def test_components_resolve_against_the_plan():
+    resolved = {
+        r.component.name: r for r in _resolve({"llm": {"recompute": "full"}, "projector": {"freeze": True}})
+    }
+    assert {
+        n: (r.decoder, r.tensor_model_parallel_size, r.recompute, r.frozen) for n, r in resolved.items()
+    } == {
+        "encoder": (False, 1, "none", False),
+        "projector": (False, 1, "none", True),
+        "llm": (True, 2, "full", False),
+    }
+
+
+@pytest.mark.parametrize(
+    ("raw", "degrees", "error", "match"),
+    [
+        (
+            {"vision": {}},
+            {},
+            ValueError,
+            r"components names \['vision'\], but .* \['encoder', 'projector', 'llm'\]",
+        ),
+        (
+            {"llm": {"tensor_model_parallel_size": 1}},
+            {},
+            ValueError,
+            "'llm' is the decoder, which runs at the",
+        ),
+        (
+            {"encoder": {"tensor_model_parallel_size": 2}},
+            {},
+            NotImplementedError,
+            "TP size > 1 needs a tensor-para",
+        ),
+        (
+            {"encoder": {"recompute": "full", "freeze": True}},
+            {},
+            ValueError,
+            "on a frozen component does nothing",
+        ),
+        ({"projector": {"recompute": "full"}}, {}, ValueError, "declares no blocks for 'projector'"),
+        (
+            {c: {"freeze": True} for c in ("encoder", "projector", "llm")},
+            {},
+            ValueError,
+            "every component is frozen",
+        ),
+        (
+            {},
+            {"pipeline_model_parallel_size": 2},
+            NotImplementedError,
+            "pipeline_model_parallel_size=2 is not yet",
+        ),
+        ({}, {"context_parallel_size": 2}, NotImplementedError, "context_parallel_size=2 is not yet"),
+        (
+            {},
+            {"use_distributed_optimizer": True},
+            NotImplementedError,
+            "use_distributed_optimizer=True is not yet",
+        ),
+    ],
+)
+def test_bad_component_settings_are_refused(raw, degrees, error, match):
+    with pytest.raises(error, match=match):
+        _resolve(raw, **degrees)
+
+
+def test_plans_without_composition():
+    plan = _plan()
+    single = ParallelPlan(components=[plan.component("llm")])
+    (llm,) = resolve_components(single, {"llm": ComponentOptions(recompute="full")}, DEGREES)
+    assert llm.decoder and llm.recompute == "full"  # a CausalLM: its one component is the decoder
+    with pytest.raises(ValueError, match="every component is frozen"):
+        resolve_components(single, {"llm": ComponentOptions(freeze=True)}, DEGREES)
+    several = dataclasses.replace(plan, composition=None)
+    with pytest.raises(
+        ValueError, match="no composition: MegatronStrategy needs to know which one is the decoder"
+    ):
+        resolve_components(several, {}, DEGREES)
+    with pytest.raises(ValueError, match=r"composition.decoder \('vision'\) must be one of the components"):
+        ParallelPlan(
+            components=[Component(name="llm", module=torch.nn.Linear(1, 1))],
+            composition=Composition(decoder="vision", encode=lambda b: b, merge=lambda *a: a),
+        )
+
+
+def test_sample_rows_pad_the_last_rank():
+    assert [sample_rows(3, r, 2).tolist() for r in range(2)] == [[0, 1], [2, 2]]
+    assert [sample_rows(4, r, 2).tolist() for r in range(2)] == [[0, 1], [2, 3]]
+    assert [sample_rows(1, r, 4).tolist() for r in range(4)] == [[0], [0], [0], [0]]
