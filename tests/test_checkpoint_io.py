@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from lightning.pytorch import Callback
 
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO, atomic_torch_save
 
@@ -48,3 +49,27 @@ def test_load_refuses_pickled_code_and_missing_files(tmp_path):
     torn.write_bytes(torn.read_bytes()[:100])
     with pytest.raises(RuntimeError, match="is corrupt"):
         AtomicCheckpointIO().load_checkpoint(torn)
+
+
+class _Holder(Callback):
+    def __init__(self, state):
+        self.state = state
+
+    def state_dict(self):
+        return self.state
+
+
+def test_callback_tensors_in_dcp_load_into_tensors_like_the_live_callbacks(tmp_path):
+    from torch.distributed.checkpoint import save
+
+    from forge_lightning.strategies.distributed_checkpoint import _load_callback_dtensors
+
+    saved = {"callbacks/_Holder/avg/w": torch.arange(4.0), "callbacks/_Holder/avg/gone": torch.ones(2)}
+    save(saved, checkpoint_id=tmp_path)
+    stand_ins = {"w": "dcp:callbacks/_Holder/avg/w", "gone": "dcp:callbacks/_Holder/avg/gone"}
+    meta = {"callbacks": {"_Holder": {"avg": stand_ins, "step": 3}}}
+    # The live callback holds "w" (the template) but no longer "gone": that entry is left out, with a warning.
+    with pytest.warns(UserWarning, match=r"1 sharded callback tensors .* were not loaded .*avg/gone"):
+        _load_callback_dtensors(meta, tmp_path, [_Holder({"avg": {"w": torch.zeros(4)}, "step": 0})])
+    assert meta["callbacks"]["_Holder"]["step"] == 3 and set(meta["callbacks"]["_Holder"]["avg"]) == {"w"}
+    assert torch.equal(meta["callbacks"]["_Holder"]["avg"]["w"], torch.arange(4.0))

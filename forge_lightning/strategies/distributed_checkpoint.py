@@ -5,6 +5,17 @@ optimizer (``optimizer_0`` ...), plus ``meta.pt`` holding everything else Lightn
 data loader position as plain ints, scheduler and callback states). DCP reshards on load, so a checkpoint
 written by N processes loads on M. The directory is written beside the target and renamed into place, so an
 interrupted save leaves the previous checkpoint intact.
+
+Callback states may hold DTensors (e.g. the EMA callback's sharded average). Those go through DCP too, one
+entry per tensor under ``callbacks/<state key>/<path in the state>``; ``meta.pt`` keeps that key in their place::
+
+    checkpoint["callbacks"]["EMA"]["average"]["w"]  (DTensor)
+      -> DCP entry "callbacks/EMA/average/w";  meta.pt: "dcp:callbacks/EMA/average/w"
+
+On load each such entry is read into a template: an empty tensor like the one the live callback's
+``state_dict()`` holds at the same path (the strategies restore after setup, so by then a callback that keeps
+sharded state has built it, placed like the parameters). DCP reshards into it, and the callback's
+``load_state_dict`` receives DTensors of this run's layout.
 """
 
 from __future__ import annotations
@@ -16,11 +27,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch import Callback
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
 
 METADATA_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses, so either can read the other's
+_IN_DCP = "dcp:"  # meta.pt's stand-in for a callback tensor saved through DCP: this prefix + its DCP key
 
 
 def save_distributed_checkpoint(
@@ -29,7 +44,8 @@ def save_distributed_checkpoint(
     """Write Lightning's ``checkpoint`` dict as a sharded DCP directory at ``path``. Collective.
 
     Args:
-        checkpoint: Lightning's checkpoint; ``state_dict`` and ``optimizer_states`` hold sharded state dicts.
+        checkpoint: Lightning's checkpoint; ``state_dict`` and ``optimizer_states`` hold sharded state dicts;
+            DTensors in ``callbacks`` are saved through DCP as well.
         path: the checkpoint directory (replaced if it exists).
         barrier: the strategy's barrier.
         is_global_zero: whether this is global rank 0 (which writes ``meta.pt`` and renames).
@@ -43,6 +59,8 @@ def save_distributed_checkpoint(
     checkpoint = dict(checkpoint)
     state = {"state_dict": checkpoint.pop("state_dict")}
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
+    if "callbacks" in checkpoint:
+        checkpoint["callbacks"] = _take_dtensors(checkpoint["callbacks"], "callbacks", state)
     save(state, checkpoint_id=tmp)
     if is_global_zero:
         atomic_torch_save(checkpoint, tmp / METADATA_FILE)
@@ -50,6 +68,19 @@ def save_distributed_checkpoint(
     if is_global_zero:
         _replace(tmp, path)
     barrier()
+
+
+def _take_dtensors(tree: Any, key: str, out: dict[str, Any]) -> Any:
+    """``tree`` with each DTensor moved into ``out`` under its DCP key (``key/<path>``) and replaced by its stand-in."""
+    if isinstance(tree, DTensor):
+        out[key] = tree
+        return _IN_DCP + key
+    if isinstance(tree, dict):
+        return {k: _take_dtensors(v, f"{key}/{k}", out) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        items = [_take_dtensors(v, f"{key}/{i}", out) for i, v in enumerate(tree)]
+        return items if isinstance(tree, list) else tuple(items)
+    return tree
 
 
 def _replace(tmp: Path, path: Path) -> None:
@@ -72,7 +103,10 @@ def is_distributed_checkpoint(path: str | os.PathLike) -> bool:
 
 
 def load_distributed_checkpoint(
-    path: Path, model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]
+    path: Path,
+    model: nn.Module,
+    optimizers: Sequence[torch.optim.Optimizer],
+    callbacks: Sequence[Callback] = (),
 ) -> dict[str, Any]:
     """Load model and optimizer shards in place (resharding to this run's layout); return the rest.
 
@@ -80,9 +114,12 @@ def load_distributed_checkpoint(
         path: a directory written by :func:`save_distributed_checkpoint`.
         model: the parallelised module (its parameters may be DTensors).
         optimizers: the optimizers, in the order they were saved.
+        callbacks: the run's callbacks; the DTensors of their saved states are read into tensors shaped and
+            placed like those their ``state_dict()`` holds now.
 
     Returns:
-        The checkpoint's other entries (loops, data loader position, schedulers, callbacks...).
+        The checkpoint's other entries (loops, data loader position, schedulers, callbacks...), callback
+        DTensors included.
     """
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.state_dict import (
@@ -105,7 +142,58 @@ def load_distributed_checkpoint(
         optim_state = {key: get_optimizer_state_dict(model, optimizer)}
         load(optim_state, checkpoint_id=path)
         set_optimizer_state_dict(model, optimizer, optim_state_dict=optim_state[key])
-    return torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)
+    meta = torch.load(path / METADATA_FILE, map_location="cpu", weights_only=True)
+    _load_callback_dtensors(meta, path, callbacks)
+    return meta
+
+
+_DROPPED = object()
+
+
+def _load_callback_dtensors(meta: dict[str, Any], path: Path, callbacks: Sequence[Callback]) -> None:
+    """Put the callback tensors saved through DCP back in place of their stand-ins in ``meta["callbacks"]``."""
+    from torch.distributed.checkpoint import load
+
+    states = meta.get("callbacks") or {}
+    wanted: dict[str, torch.Tensor] = {}
+    unmatched: list[str] = []
+    for callback in callbacks:
+        key = callback.state_key
+        if key in states:
+            live = callback.state_dict()
+            states[key] = _templates(states[key], live, f"callbacks/{key}", wanted, unmatched)
+    if unmatched:
+        rank_zero_warn(
+            f"{len(unmatched)} sharded callback tensors in {path} were not loaded (e.g. {unmatched[:3]}): their "
+            "callbacks hold no tensor at that place to load them into. Callbacks with sharded state (EMA) build "
+            "it when fit starts, so only `fit(ckpt_path=...)` restores it"
+        )
+    if wanted:
+        load(wanted, checkpoint_id=path)  # in place, into the templates the states now hold
+
+
+def _templates(saved: Any, live: Any, key: str, wanted: dict[str, torch.Tensor], unmatched: list[str]) -> Any:
+    """``saved`` with each stand-in replaced by an empty tensor like ``live``'s at the same place (recorded in
+    ``wanted`` for DCP to fill); stand-ins with no tensor there are dropped (recorded in ``unmatched``)."""
+    if isinstance(saved, str) and saved == _IN_DCP + key:
+        if isinstance(live, torch.Tensor):
+            wanted[key] = torch.empty_like(live)  # a DTensor stays a DTensor on the same mesh and placements
+            return wanted[key]
+        unmatched.append(key)
+        return _DROPPED
+    if isinstance(saved, dict):
+        live = live if isinstance(live, dict) else {}
+        items = {k: _templates(v, live.get(k), f"{key}/{k}", wanted, unmatched) for k, v in saved.items()}
+        return {k: v for k, v in items.items() if v is not _DROPPED}
+    if isinstance(saved, list | tuple):
+        live = live if isinstance(live, list | tuple) else ()
+        items = [
+            _templates(v, live[i] if i < len(live) else None, f"{key}/{i}", wanted, unmatched)
+            for i, v in enumerate(saved)
+        ]
+        items = [None if v is _DROPPED else v for v in items]
+        return items if isinstance(saved, list) else tuple(items)
+    return saved
 
 
 def full_model_state_dict(root: nn.Module, module: nn.Module | None = None) -> dict[str, torch.Tensor]:

@@ -408,11 +408,20 @@ class FSDP2Strategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        assert self.model is not None
-        checkpoint = load_distributed_checkpoint(path, self.model, self.optimizers)
-        if self._comm is not None and self._comm.all_gather is not None:
-            self._comm.all_gather.request_resync()  # the loaded shards differ from the last reconstruction
+        assert self.model is not None and self.lightning_module is not None
+        # Lightning restores after setup and on_fit_start here, so callbacks hold their sharded state (the
+        # templates of their DTensors in the checkpoint).
+        callbacks = self.lightning_module.trainer.callbacks
+        checkpoint = load_distributed_checkpoint(path, self.model, self.optimizers, callbacks)
+        self.parameters_changed()
         return checkpoint
+
+    def parameters_changed(self) -> None:
+        """Make the next parameter all-gathers exact after the shards were written outside the optimizer (a
+        checkpoint load, the EMA callback's swap): the delta-FP8 all-gather would send the change as an FP8 delta,
+        with an error of up to 1/16 of it. Collective: call on every rank."""
+        if self._comm is not None and self._comm.all_gather is not None:
+            self._comm.all_gather.request_resync()
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
