@@ -568,9 +568,10 @@ def load_hf_weights(
             ``tp_rank``, ``tp_size``; megatron's default expert TP size is the TP size).
 
     Raises:
-        ValueError: a shard's shape differs from the parameter's (names both).
+        ValueError: a shard's shape differs from the parameter's (names both), or a parameter has no rule.
     """
     params = named_tensors(model)
+    filled = set()
     for rule in weight_rules(model, config):
         rank, size = expert_tp if rule.expert and expert_tp is not None else (tp_rank, tp_size)
         shard = shard_for_rank(rule, [read(name) for name in rule.hf], config, rank, size)
@@ -580,6 +581,19 @@ def load_hf_weights(
                 f"{rule.megatron}: shard of {rule.hf} has shape {tuple(shard.shape)}, parameter {tuple(param.shape)}"
             )
         param.copy_(shard)
+        filled.add(rule.megatron)
+    check_all_filled(model, filled)
+
+
+def check_all_filled(model: nn.Module, filled: set[str]) -> None:
+    """Raise ``ValueError`` naming the chunk's parameters outside ``filled``.
+
+    Strategies build the twin without megatron's random initialisation (slow on the CPU at real sizes, and
+    overwritten anyway), so a parameter no weight rule fills would keep uninitialised memory.
+    """
+    unfilled = sorted({name for name, _ in unwrap(model).named_parameters()} - filled)
+    if unfilled:
+        raise ValueError(f"megatron parameters without a Hugging Face weight rule: {unfilled}")
 
 
 # ------------------------------------------------------------------------------------------ TP shards -> HF

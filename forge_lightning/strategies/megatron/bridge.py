@@ -27,6 +27,7 @@ from forge_lightning.modules.llm.hf import _EXPERT_KEY, SAFETENSORS_FILE, SAFETE
 from forge_lightning.modules.llm.megatron import (
     WeightRule,
     assemble_shard,
+    check_all_filled,
     load_hf_weights,
     merge_shards,
     named_tensors,
@@ -176,7 +177,7 @@ def load_hf_checkpoint(
     )
     with SafetensorsSlices(path) as files, torch.no_grad():
         for chunk in chunks:
-            params = named_tensors(chunk)
+            params, filled = named_tensors(chunk), set()
             for rule in weight_rules(chunk, config):
                 param = params[rule.megatron]
                 rank, size = expert_tp if rule.expert else tp
@@ -193,6 +194,8 @@ def load_hf_checkpoint(
                         f"{tuple(param.shape)}"
                     )
                 param.copy_(shard)
+                filled.add(rule.megatron)
+            check_all_filled(chunk, filled)
     return files
 
 

@@ -117,7 +117,8 @@ def build_chunks(
         sequence_parallel=degrees["sequence_parallel"],
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
-        **(config_overrides or {}),
+        # The weights are loaded below (every parameter, checked): megatron's random init would be overwritten.
+        **{"perform_initialization": False, **(config_overrides or {})},
     )
     chunks = []
     for stage in range(vpp):
