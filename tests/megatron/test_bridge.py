@@ -40,3 +40,17 @@ def test_hf_round_trip_is_bit_exact(megatron_world, hf_models, arch):
     assert sorted(exported) == sorted(original)
     for name, tensor in original.items():
         assert torch.equal(exported[name], tensor), name
+
+
+def test_a_parameter_no_rule_fills_is_an_error(megatron_world, hf_models):
+    """The strategy builds the twin uninitialised, so every parameter must come from a weight rule."""
+    from forge_lightning.modules.llm.megatron import check_all_filled, weight_rules
+
+    path, _ = hf_models["llama"]
+    config, model = _twin(path)
+    filled = {rule.megatron for rule in weight_rules(model, config)}
+    check_all_filled(model, filled)
+    with pytest.raises(
+        ValueError, match=r"without a Hugging Face weight rule: \['decoder.final_layernorm.weight'\]"
+    ):
+        check_all_filled(model, filled - {"decoder.final_layernorm.weight"})
