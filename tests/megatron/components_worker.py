@@ -2,14 +2,21 @@
 per-component settings, one ``Trainer.fit`` per case in the same processes (megatron-core is imported once).
 
 ``python -m torch.distributed.run --nproc-per-node 2 components_worker.py OUT_DIR CASE...`` (gloo, CPU shim; cases
-from :data:`CASES`; each validates on 2 batches after every step). Each case writes its CSV log under ``OUT_DIR/CASE`` (global rank 0) and, per rank,
+from :data:`CASES`, run in order). Each case writes its CSV log under ``OUT_DIR/CASE`` (global rank 0) and, per rank,
 ``OUT_DIR/CASE_rank{r}.pt``: the encoder side's parameters before and after the steps, the number of parameters
-megatron's optimizer holds and which parts recompute. A case named ``bad_*`` is expected to fail: its error message goes to
-``OUT_DIR/CASE_error.txt``. test_components.py compares them with the single-process reference (:data:`CASES`'s
-``reference``: the batch of all data-parallel ranks, the same freezing as a module option).
+megatron's optimizer holds and which parts recompute. A case named ``bad_*`` is expected to fail: its error message
+goes to ``OUT_DIR/CASE_error.txt``. test_components.py compares them with the single-process reference
+(:data:`CASES`'s ``reference``: the batch of all data-parallel ranks, the same freezing as a module option).
+
+Plain cases train 3 steps on a fixed-order loader and validate on 2 batches after every step. Checkpoint cases (with
+a ``checkpoint`` entry) train 5 steps from a resumable :class:`StepData` without validation: ``checkpoint: "save"``
+writes ``OUT_DIR/ckpt_CASE/epoch=0-step=3.ckpt`` and ``OUT_DIR/CASE_export.pt`` (global rank 0: the strategy's
+``full_model_state_dict()`` before the first step and after the last, and of the decoder module after the last);
+``checkpoint: OTHER`` resumes from OTHER's step-3 checkpoint.
 """
 
 import faulthandler
+import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -24,12 +31,18 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from encoder_decoder import EncoderConfig, EncoderDecoderLM, samples  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.loggers import CSVLogger  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
+
+from forge_lightning.datamodules.base import StepDataModule  # noqa: E402
 
 SEED = 7
 MODEL = dict(llm="debug", optimizer={"lr": 1e-3})
 STEPS = 3
+CKPT_STEPS, CKPT_AT = 5, 3  # checkpoint cases: 5 steps, a checkpoint after step 3
+CKPT = "epoch=0-step=3.ckpt"
+TP2 = dict(tensor_model_parallel_size=2)
 RECOMPUTE = {"encoder": {"recompute": "full"}, "llm": {"recompute": "full"}}
 FROZEN = {"encoder": {"freeze": True}, "llm": {"freeze": True}}  # only the projector trains (LLaVA stage 1)
 # strategy: MegatronStrategy options; batch: per data-parallel rank (3: not divisible by TP = 2, so the second TP
@@ -57,13 +70,32 @@ CASES = {
     "bad_name": dict(
         strategy=dict(tensor_model_parallel_size=2, components={"vision": {}}), batch=3, accumulate=1
     ),
-    "bad_checkpointing": dict(
-        strategy=dict(tensor_model_parallel_size=2),
-        batch=3,
-        accumulate=1,
-        trainer=dict(enable_checkpointing=True),
+    # Checkpoints: TP 2 (each TP rank encodes 2 of the 4 samples) saves at step 3, then resumes at TP 2 and at
+    # TP 1 x DP 2 (2 samples per rank: the same global micro-batches); a resume that freezes another component.
+    "ckpt_tp2": dict(
+        strategy=TP2, batch=4, accumulate=2, checkpoint="save", reference=dict(batch=4, accumulate=2)
+    ),
+    "ckpt_tp2_resume": dict(strategy=TP2, batch=4, accumulate=2, checkpoint="ckpt_tp2"),
+    "ckpt_tp2_to_dp2": dict(strategy=dict(), batch=2, accumulate=2, checkpoint="ckpt_tp2"),
+    "bad_resume_frozen": dict(
+        strategy=dict(**TP2, components={"encoder": {"freeze": True}}),
+        batch=4,
+        accumulate=2,
+        checkpoint="ckpt_tp2",
     ),
 }
+
+
+class StepData(StepDataModule):
+    """The samples through forge's resumable loader (its position is saved in checkpoints); no validation."""
+
+    label_key = None
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(batch_size=batch_size, seed=SEED, num_workers=0, pin_memory=False)
+
+    def setup(self, stage: str) -> None:
+        self.train_dataset = samples(40, EncoderConfig(), vocab_size=256)  # 5 steps of 8 samples
 
 
 def build_module(freeze: list[str] | None = None) -> EncoderDecoderLM:
@@ -80,10 +112,18 @@ def data(batch: int, dp: int = 1, dp_rank: int = 0) -> DataLoader:
     return DataLoader(dataset, batch_size=batch, sampler=sampler)
 
 
-def trainer_kwargs(out: Path, name: str, accumulate: int) -> dict:
+def fit_data(batch: int, dp: int = 1, dp_rank: int = 0, *, resumable: bool = False) -> dict:
+    """``Trainer.fit``'s data arguments: the fixed-order loader (also for validation) or :class:`StepData`."""
+    if resumable:
+        return {"datamodule": StepData(batch)}
+    loader = data(batch, dp, dp_rank)
+    return {"train_dataloaders": loader, "val_dataloaders": loader}
+
+
+def trainer_kwargs(out: Path, name: str, accumulate: int, *, resumable: bool = False) -> dict:
     return dict(
         accelerator="cpu",
-        max_steps=STEPS,
+        max_steps=CKPT_STEPS if resumable else STEPS,
         accumulate_grad_batches=accumulate,
         precision="32-true",
         logger=CSVLogger(out, name=name, version=0),
@@ -92,9 +132,27 @@ def trainer_kwargs(out: Path, name: str, accumulate: int) -> dict:
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
-        limit_val_batches=2,
+        limit_val_batches=0 if resumable else 2,
         val_check_interval=accumulate,  # after every optimizer step
     )
+
+
+class _Export(pl.Callback):
+    """``full_model_state_dict()`` before the first step and after the last (and of the decoder module), saved
+    by global rank 0."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.states: dict[str, dict[str, torch.Tensor]] = {}
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.states["start"] = trainer.strategy.full_model_state_dict()  # collective
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.states["end"] = trainer.strategy.full_model_state_dict()
+        self.states["llm_end"] = trainer.strategy.full_model_state_dict(pl_module.model.llm)
+        if trainer.is_global_zero:
+            torch.save(self.states, self.path)
 
 
 def encoder_side(module: EncoderDecoderLM) -> dict[str, torch.Tensor]:
@@ -123,17 +181,27 @@ def run_case(out: Path, name: str) -> None:
             blocks = pl_module.model.encoder.blocks
             held["encoder_recompute"] = all(getattr(b, "_forge_megatron_recompute", False) for b in blocks)
 
+    callbacks: list[pl.Callback] = [_Inspect()]
+    kwargs = trainer_kwargs(out, name, case["accumulate"], resumable="checkpoint" in case)
+    ckpt_path = None
+    if case.get("checkpoint") == "save":
+        every = dict(every_n_train_steps=CKPT_AT, save_top_k=-1)
+        callbacks += [
+            ModelCheckpoint(dirpath=out / f"ckpt_{name}", **every),
+            _Export(out / f"{name}_export.pt"),
+        ]
+        kwargs["enable_checkpointing"] = True
+    elif "checkpoint" in case:
+        ckpt_path = out / f"ckpt_{case['checkpoint']}" / CKPT
     trainer = pl.Trainer(
-        devices=2,
-        strategy=MegatronStrategy(**case["strategy"]),
-        callbacks=[_Inspect()],
-        **{**trainer_kwargs(out, name, case["accumulate"]), **case.get("trainer", {})},
+        devices=2, strategy=MegatronStrategy(**case["strategy"]), callbacks=callbacks, **kwargs
     )
     tp = case["strategy"].get("tensor_model_parallel_size", 1)
     rank = int(os.environ["RANK"])
     try:
-        loader = data(case["batch"], int(os.environ["WORLD_SIZE"]) // tp, rank // tp)
-        trainer.fit(module, loader, val_dataloaders=loader)
+        dp = int(os.environ["WORLD_SIZE"]) // tp
+        inputs = fit_data(case["batch"], dp, rank // tp, resumable="checkpoint" in case)
+        trainer.fit(module, ckpt_path=ckpt_path, **inputs)
     except Exception as err:
         if not name.startswith("bad_"):
             raise
@@ -153,6 +221,11 @@ def main(out: Path, names: list[str]) -> None:
     for name in names:
         run_case(out, name)
     dist.barrier()
+    # megatron-core's checkpoint writer keeps a multiprocessing manager (a child process) for its write results;
+    # os._exit skips the exit hooks that would stop it, so stop it here.
+    for child in multiprocessing.active_children():
+        child.terminate()
+        child.join(5)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)  # results are written: skip the group's and the interpreter's teardown (gloo can abort in it)

@@ -1,10 +1,11 @@
-"""2-process worker: the megatron twin at context_parallel_size = 2 (TP = PP = DP = 1, Ulysses attention); writes,
-on rank 0, each config's loss parts and gradients (Hugging Face names) for test_context_parallel.py to compare with
-the native model on one process.
+"""Worker: the megatron twin at context_parallel_size = 2 (TP = PP = DP = 1; Ulysses attention, or ring attention
+with cp_comm_type p2p) or at the 4-process layouts; writes, on rank 0, each config's loss parts and gradients
+(Hugging Face names) for test_context_parallel.py to compare with the native model on one process.
 
 ``python -m torch.distributed.run --nproc-per-node 2 context_parallel_worker.py OUT_FILE LAYOUT[,LAYOUT] NAME...``
-(gloo, CPU shim; layouts from :data:`LAYOUTS`, the 4-process ones run by hand; EP layouts skip dense configs). The ranks of the CP group get
-the same full micro-batches; the strategy's schedule gives each its share of the sequence.
+(gloo, CPU shim; layouts from :data:`LAYOUTS`: ``cp4_a2a_p2p`` on 4 processes is in the suite, the other 4-process
+ones run by hand; EP layouts skip dense configs). The ranks of the CP group get the same full micro-batches; the
+strategy's schedule gives each its share of the sequence.
 """
 
 import sys
@@ -31,6 +32,10 @@ LAYOUTS = {
     "cp2_ep2": dict(context_parallel_size=2, expert_model_parallel_size=2),  # experts split over the CP ranks
     "cp2_tp2_sp": dict(context_parallel_size=2, tensor_model_parallel_size=2, sequence_parallel=True),
     "cp2_pp2": dict(context_parallel_size=2, pipeline_model_parallel_size=2),
+    "cp2_p2p": dict(context_parallel_size=2, cp_comm_type="p2p"),  # ring attention
+    "cp4_a2a_p2p": dict(  # Ulysses over 2 ranks x a ring of 2 (megatron's hierarchical CP groups)
+        context_parallel_size=4, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]
+    ),
 }
 
 
@@ -62,6 +67,7 @@ def main(out: Path, layouts: list[str], names: list[str]) -> None:
             pipeline_model_parallel_size=degrees.get("pipeline_model_parallel_size", 1),
             context_parallel_size=degrees["context_parallel_size"],
             expert_model_parallel_size=degrees.get("expert_model_parallel_size", 1),
+            hierarchical_context_parallel_sizes=degrees.get("hierarchical_context_parallel_sizes"),
         )
         model_parallel_cuda_manual_seed(0)  # megatron's RNG tracker (sequence-parallel embedding dropout)
         assert parallel_state.get_data_parallel_world_size() == 1
@@ -71,7 +77,11 @@ def main(out: Path, layouts: list[str], names: list[str]) -> None:
                 continue
             chunks = build_twin(native_model(config), **degrees)
             layers = unwrap(chunks[0]).decoder.layers
-            assert all(layer.self_attention.core_attention.cp.size == 2 for layer in layers)  # Ulysses is on
+            cps = [
+                layer.self_attention.core_attention.cp for layer in layers
+            ]  # the chosen CP attention is on
+            assert all(cp.size == degrees["context_parallel_size"] for cp in cps)
+            assert all(cp.comm_type == degrees.get("cp_comm_type", "a2a") for cp in cps)
             run = megatron_run(chunks, config, micro_batches(config, 2))
             # Each rank's sums are over its half of every sequence: the batch's are their sum over DP x CP.
             dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)

@@ -11,7 +11,8 @@ megatron-core is imported twice in all (see checkpoint_worker.py):
     vpp (PP2 x VPP2, 4 layers) ──ckpt            dp2_distopt ckpt ──> distopt_to_one, other_optimizer (refused)
     dp2_distopt (DP2, distributed optimizer)     reference_4_layers (default strategy): vpp's reference
 
-The crash-during-save and shape-mismatch checks run in this process on a one-process megatron world.
+The crash-during-save, shape-mismatch and encoder-side (a composed model's, see test_components.py for the runs)
+checks run in this process on a one-process megatron world.
 """
 
 import csv
@@ -283,6 +284,31 @@ def test_a_checkpoint_of_another_shape_names_the_tensor(megatron_world, tmp_path
         _load(other, tmp_path / "ckpt")
     with pytest.raises(ValueError, match="is a file, not a MegatronStrategy checkpoint"):
         _load(model, tmp_path / "ckpt" / "meta.pt")
+
+
+def test_an_encoder_side_round_trips_and_its_absence_is_named(megatron_world, tmp_path):
+    """A composed model's encoder side (plain modules, see components.py) is saved beside the twin and loads back;
+    a checkpoint without it (e.g. of the decoder LM alone) is refused naming the missing components."""
+    from forge_lightning.strategies.megatron import checkpoint as ckpt
+
+    config, model = _tiny_model()
+    encoder = {"encoder": torch.nn.Linear(4, 3)}
+    state = ckpt.sharded_state_dict([model], None, is_loading=False, components=encoder)
+    assert state[ckpt.COMPONENTS_KEY]["encoder"]["components.encoder.weight"].replica_id == (0, 0, 0)
+    ckpt.MegatronCheckpointIO().save_checkpoint(
+        {ckpt.SHARDED_KEY: state, ckpt.HF_CONFIG_KEY: config.to_hf()}, tmp_path / "composed"
+    )
+    _save(model, config, tmp_path / "decoder_only")
+    other = {"encoder": torch.nn.Linear(4, 3)}
+    template = ckpt.sharded_state_dict([model], None, is_loading=True, components=other)
+    loaded = ckpt.MegatronCheckpointIO().load_checkpoint(tmp_path / "composed", sharded_state_dict=template)
+    ckpt.load_into([model], None, loaded[ckpt.SHARDED_KEY], components=other)
+    assert all(
+        torch.equal(a, b) for a, b in zip(encoder["encoder"].parameters(), other["encoder"].parameters())
+    )
+    template = ckpt.sharded_state_dict([model], None, is_loading=True, components=other)
+    with pytest.raises(ValueError, match=r"holds no weights for the components \['encoder'\]"):
+        ckpt.MegatronCheckpointIO().load_checkpoint(tmp_path / "decoder_only", sharded_state_dict=template)
 
 
 def test_the_strategy_keeps_its_checkpoint_io():

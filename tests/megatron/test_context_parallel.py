@@ -1,11 +1,13 @@
-"""Context parallelism under MegatronStrategy: the twin at CP = 2 (Ulysses attention, megatron's load-balanced
-sequence split) gives the native model's loss and gradients on one process; unsupported layouts are refused.
+"""Context parallelism under MegatronStrategy: the twin at CP = 2 (Ulysses or ring attention, megatron's
+load-balanced sequence split) and at CP = 4 (hybrid: Ulysses over 2 ranks x a ring of 2) gives the native model's
+loss and gradients on one process; unsupported layouts are refused.
 
 Same weights, same micro-batches (2 of 2 x 16 tokens), fp32: the 2-process worker (``context_parallel_worker.py``)
-runs the twin at TP = PP = 1, CP = 2 (dense, MoE and DeepSeek-V3's multi-latent attention; the MoE twins also with
-EP = 2 over the CP ranks) through the strategy's schedule and megatron's gradient finalisation; every gradient is
-gathered under its Hugging Face name and compared with the native ``DecoderLM`` under the one batch rule.
-``forge fit`` at CP = 2 against the default strategy is in test_strategy.py.
+runs the twin at TP = PP = 1, CP = 2 (dense, MoE and DeepSeek-V3's multi-latent attention; Ulysses, and ring
+attention with ``cp_comm_type: p2p``; the MoE twins also with EP = 2 over the CP ranks) through the strategy's
+schedule and megatron's gradient finalisation; every gradient is gathered under its Hugging Face name and compared
+with the native ``DecoderLM`` under the one batch rule. A 4-process run does the same for ``a2a+p2p`` (dense GQA,
+MQA and MLA). ``forge fit`` at CP = 2 against the default strategy is in test_strategy.py.
 """
 
 from pathlib import Path
@@ -42,9 +44,27 @@ def _dense_reference(model, batches) -> dict:
 
 def test_context_parallel_twin_matches_native(tmp_path):
     out = tmp_path / "runs.pt"
-    torchrun(HERE / "context_parallel_worker.py", out, "cp2,cp2_ep2", *NAMES)
+    torchrun(HERE / "context_parallel_worker.py", out, "cp2,cp2_p2p,cp2_ep2", *NAMES)
     runs = torch.load(out, weights_only=False)
-    assert sorted(runs) == sorted([("cp2", n) for n in NAMES] + [("cp2_ep2", n) for n in MOE_NAMES])
+    expected = [(layout, n) for layout in ("cp2", "cp2_p2p") for n in NAMES] + [
+        ("cp2_ep2", n) for n in MOE_NAMES
+    ]
+    assert sorted(runs) == sorted(expected)
+    _assert_match_native(runs)
+
+
+def test_hybrid_context_parallel_twin_matches_native(tmp_path):
+    """cp_comm_type a2a+p2p, hierarchical_context_parallel_sizes [2, 2] on 4 processes: megatron's hierarchical
+    groups, Ulysses inside each pair of ranks, ring attention between the pairs."""
+    out = tmp_path / "runs.pt"
+    names = ["llama_gqa", "qwen3_mqa", "deepseek_v3"]
+    torchrun(HERE / "context_parallel_worker.py", out, "cp4_a2a_p2p", *names, nproc=4)
+    runs = torch.load(out, weights_only=False)
+    assert sorted(runs) == sorted(("cp4_a2a_p2p", n) for n in names)
+    _assert_match_native(runs)
+
+
+def _assert_match_native(runs: dict) -> None:
     references = {}
     for (layout, name), run in runs.items():
         config = cp_config(name)
@@ -89,6 +109,21 @@ def test_context_parallel_degrees():
     assert validate_degrees(2, {**_DEGREES, "expert_model_parallel_size": 2}) == 1
 
 
+def test_context_parallel_comm_types_are_checked():
+    p2p = {**_DEGREES, "cp_comm_type": "p2p"}
+    assert validate_degrees(2, p2p) == 1
+    hybrid = {**_DEGREES, "context_parallel_size": 4, "cp_comm_type": "a2a+p2p"}
+    assert validate_degrees(4, {**hybrid, "hierarchical_context_parallel_sizes": [2, 2]}) == 1
+    with pytest.raises(ValueError, match=r"cp_comm_type \('ring'\) must be one of a2a, p2p, a2a\+p2p"):
+        validate_degrees(2, {**_DEGREES, "cp_comm_type": "ring"})
+    with pytest.raises(ValueError, match=r"product is context_parallel_size \(4\), got \[2, 4\]"):
+        validate_degrees(4, {**hybrid, "hierarchical_context_parallel_sizes": [2, 4]})
+    with pytest.raises(ValueError, match=r"needs hierarchical_context_parallel_sizes \[a2a, p2p\]"):
+        validate_degrees(4, hybrid)
+    with pytest.raises(ValueError, match="only read with cp_comm_type 'a2a\\+p2p', got 'p2p'"):
+        validate_degrees(2, {**p2p, "hierarchical_context_parallel_sizes": [1, 2]})
+
+
 def test_heads_must_split_over_context_parallel_ranks():
     config = LLMConfig.from_preset("debug")  # 4 query heads, 2 key/value heads
     check_ulysses_heads(config, tp=1, cp=4)
@@ -97,6 +132,8 @@ def test_heads_must_split_over_context_parallel_ranks():
         check_ulysses_heads(config, tp=1, cp=3)
     with pytest.raises(ValueError, match=r"tensor_model_parallel_size \(2\) = 2"):
         check_ulysses_heads(config, tp=2, cp=4)
+    with pytest.raises(ValueError, match=r"hierarchical_context_parallel_sizes\[0\] \(3\) must divide"):
+        check_ulysses_heads(config, tp=1, cp=3, option="hierarchical_context_parallel_sizes[0]")
 
 
 def test_sequence_length_and_packed_batches_are_refused(monkeypatch):

@@ -31,7 +31,11 @@ def _column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
 def runner(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron")
 
+    runs: dict[str, list[dict[str, str]]] = {}
+
     def run(name: str, *args: str, devices: int = 2, batch: int = 2) -> list[dict[str, str]]:
+        if name in runs:  # one run per layout name, shared by the tests that read it
+            return runs[name]
         cmd = [
             sys.executable,
             str(HERE / "forge_entry.py"),
@@ -58,7 +62,8 @@ def runner(tiny_corpus, tmp_path_factory):
         env["OMP_NUM_THREADS"] = "1"
         proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-        return _metrics(root, name)
+        runs[name] = _metrics(root, name)
+        return runs[name]
 
     run.reference = run("reference", devices=1, batch=4)
     assert sorted(_column(run.reference, "train/loss")) == STEPS
@@ -72,10 +77,20 @@ def _assert_same_losses(rows, reference, tol=1e-5) -> None:
     assert max(deltas.values()) <= tol, deltas
 
 
-def test_tensor_parallel_matches_one_process_with_validation(runner):
-    rows = runner(
+def _tp2(runner):
+    return runner(
         "tp2", "--trainer.strategy", STRATEGY, "--trainer.strategy.tensor_model_parallel_size", "2", batch=4
     )
+
+
+def _cp2(runner):
+    return runner(
+        "cp2", "--trainer.strategy", STRATEGY, "--trainer.strategy.context_parallel_size", "2", batch=4
+    )
+
+
+def test_tensor_parallel_matches_one_process_with_validation(runner):
+    rows = _tp2(runner)
     _assert_same_losses(rows, runner.reference)
     val, expected = _column(rows, "val/loss"), _column(runner.reference, "val/loss")
     assert val and sorted(val) == sorted(expected)
@@ -85,13 +100,36 @@ def test_tensor_parallel_matches_one_process_with_validation(runner):
 def test_context_parallel_matches_one_process_with_validation(runner):
     """CP = 2 on 2 processes (DP = 1, so the data rank's batch is the reference's 4 rows): each rank trains on half
     of every sequence (megatron's load-balanced split) with Ulysses attention."""
-    rows = runner(
-        "cp2", "--trainer.strategy", STRATEGY, "--trainer.strategy.context_parallel_size", "2", batch=4
-    )
+    rows = _cp2(runner)
     _assert_same_losses(rows, runner.reference)
     val, expected = _column(rows, "val/loss"), _column(runner.reference, "val/loss")
     assert val and sorted(val) == sorted(expected)
     assert max(abs(val[s] - expected[s]) for s in val) <= 1e-5
+
+
+def test_gradient_norm_counts_tensor_parallel_shards_once(runner):
+    """Same global batch, weights whole (CP) or split (TP): megatron's clipping norm must agree; it does only if
+    every tensor-parallel weight is tagged as such (a wrongly tagged shard is counted from TP rank 0 alone)."""
+    tp, cp = _column(_tp2(runner), "train/grad_norm"), _column(_cp2(runner), "train/grad_norm")
+    assert sorted(tp) == sorted(cp) == STEPS
+    assert max(abs(tp[s] - cp[s]) / cp[s] for s in STEPS) <= 1e-5, (tp, cp)
+
+
+def test_ring_context_parallel_matches_one_process(runner):
+    """CP = 2 with ring attention (``cp_comm_type: p2p``): key/value blocks pass between the 2 ranks."""
+    rows = runner(
+        "cp2_p2p",
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.context_parallel_size",
+        "2",
+        "--trainer.strategy.cp_comm_type",
+        "p2p",
+        "--trainer.limit_val_batches",
+        "0",
+        batch=4,
+    )
+    _assert_same_losses(rows, runner.reference)
 
 
 def test_sequence_parallel_matches_one_process(runner):

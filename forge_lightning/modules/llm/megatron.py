@@ -225,7 +225,8 @@ def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
     Args:
         config: the decoder's configuration.
         **parallel: further ``TransformerConfig`` fields (``tensor_model_parallel_size``,
-            ``pipeline_model_parallel_size``, ``sequence_parallel``, ``params_dtype``, ``bf16`` ...).
+            ``pipeline_model_parallel_size``, ``sequence_parallel``, ``params_dtype``, ``bf16`` ...); they
+            override the defaults set here (e.g. ``use_cpu_initialization``).
     """
     from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
@@ -242,7 +243,7 @@ def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
             "sequence_parallel=True (as megatron-core's MoE and MLA layers expect)"
         )
     cls, mla = (TransformerConfig, {}) if config.mla is None else (MLATransformerConfig, _mla_fields(config))
-    return cls(
+    fields = dict(
         num_layers=config.num_layers,
         hidden_size=config.hidden_size,
         ffn_hidden_size=config.intermediate_size,
@@ -269,8 +270,8 @@ def transformer_config(config: LLMConfig, **parallel: Any) -> Any:
         calculate_per_token_loss=True,
         **mla,
         **moe,
-        **parallel,
     )
+    return cls(**{**fields, **parallel})
 
 
 def _mla_fields(config: LLMConfig) -> dict[str, Any]:
@@ -586,11 +587,8 @@ def load_hf_weights(
 
 
 def check_all_filled(model: nn.Module, filled: set[str]) -> None:
-    """Raise ``ValueError`` naming the chunk's parameters outside ``filled``.
-
-    Strategies build the twin without megatron's random initialisation (slow on the CPU at real sizes, and
-    overwritten anyway), so a parameter no weight rule fills would keep uninitialised memory.
-    """
+    """Raise ``ValueError`` naming the chunk's parameters outside ``filled``: a parameter no weight rule fills
+    would silently keep megatron's random initialisation."""
     unfilled = sorted({name for name, _ in unwrap(model).named_parameters()} - filled)
     if unfilled:
         raise ValueError(f"megatron parameters without a Hugging Face weight rule: {unfilled}")

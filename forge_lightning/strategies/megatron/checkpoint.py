@@ -4,7 +4,8 @@ A checkpoint is a directory (Lightning's ``ModelCheckpoint`` names it like a fil
 
     epoch=0-step=3.ckpt/
       metadata.json  common.pt  .metadata  __*_*.distcp   megatron-core dist_checkpointing, torch_dist backend:
-                                                         the model chunks ("model0", "model1", ...) and the
+                                                         the model chunks ("model0", "model1", ...), a composed
+                                                         model's encoder side ("components") and the
                                                          (distributed) optimizer ("optimizer"), one file per
                                                          writing rank and thread
       meta.pt                                            Lightning's own state: global step, loops (with the data
@@ -17,6 +18,10 @@ Why the layout may change on resume: megatron-core saves every tensor under a gl
 (the layers stacked on a leading layer axis, each TP rank's shard a slice of it), and the optimizer state
 alongside the parameter it belongs to (the DistributedOptimizer in its ``fully_reshardable`` form). Loading asks
 for this run's slices of those global tensors, whatever layout wrote them.
+
+A composed model's encoder side (plain modules at TP = 1, replicated over the TP x DP group, see components.py)
+is stored under ``components.<name>.<parameter>`` as unsharded tensors whose replica id names TP rank 0 of DP rank
+0 as the writer; its Adam moments are matched to those tensors like the twin's, so they load at any decoder layout.
 
 Atomic: every rank writes into ``.<name>.tmp`` beside the target; once all have finished, global rank 0 renames
 it into place. A crash mid-save leaves the previous checkpoints untouched (and a stale ``.tmp`` that the next save
@@ -48,6 +53,7 @@ CONFIG_FILE = "config.json"
 MEGATRON_METADATA_FILE = "metadata.json"  # written last by megatron-core's dist_checkpointing.save
 # Keys of the checkpoint dict handed to MegatronCheckpointIO.save_checkpoint that are not Lightning's own.
 SHARDED_KEY = "state_dict"  # the sharded state dict (model chunks + optimizer)
+COMPONENTS_KEY = "components"  # a composed model's encoder side (sharded state dict entry, tensor key prefix)
 HF_CONFIG_KEY = "hf_config"  # written as config.json
 INFO_KEY = "megatron"  # format, layout and optimizer kind, kept in meta.pt
 # The DistributedOptimizer's reshardable form: each parameter's state saved like the parameter itself.
@@ -65,28 +71,120 @@ def _inner(chunk: nn.Module) -> nn.Module:
 
 
 def sharded_state_dict(
-    chunks: Sequence[nn.Module], optimizer: Any | None, *, is_loading: bool
+    chunks: Sequence[nn.Module],
+    optimizer: Any | None,
+    *,
+    is_loading: bool,
+    components: Mapping[str, nn.Module] | None = None,
 ) -> dict[str, Any]:
-    """The sharded state dict of this rank's model chunks and (optionally) megatron's optimizer.
+    """The sharded state dict of this rank's model chunks, a composed model's encoder side and (optionally)
+    megatron's optimizer.
 
     Args:
         chunks: this rank's model chunks (one per virtual pipeline stage), DDP-wrapped or not.
         optimizer: megatron's (chained) optimizer, or ``None`` for the weights only.
         is_loading: build the template to load into (allocates optimizer state not yet created).
+        components: a composed model's encoder-side modules by component name (plain modules, replicated on
+            every rank of the TP x DP group; see components.py).
 
     Returns:
-        ``{"model0": ..., "model1": ..., "optimizer": ...}``. The nesting only names this rank's parts: every
-        tensor carries its own global key, so a checkpoint written with N chunks loads into M.
+        ``{"model0": ..., "model1": ..., "components": ..., "optimizer": ...}``. The nesting only names this rank's
+        parts: every tensor carries its own global key, so a checkpoint written with N chunks loads into M.
     """
     state: dict[str, Any] = {
         f"model{i}": _inner(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)
     }
+    if components:
+        state[COMPONENTS_KEY] = {name: _replicated(module, name) for name, module in components.items()}
     if optimizer is not None:
         if is_loading:
             _allocate_distributed_adam_state(optimizer)
-        state["optimizer"] = optimizer.sharded_state_dict(
-            state, is_loading=is_loading, metadata=dict(_OPTIMIZER_METADATA)
+        # Adam's moments (and fp32 main weights) are matched to the parameters of `state`, so the encoder side's
+        # are saved and resharded like its parameters.
+        state["optimizer"] = _optimizer_state(optimizer, state, is_loading)
+    return state
+
+
+def _replicated(module: nn.Module, name: str) -> dict[str, Any]:
+    """``module``'s state as tensors replicated over the TP x DP group, keyed ``components.<name>.<parameter>``.
+
+    megatron's replica id of an unsharded tensor is ``(0, TP rank, DP rank)``: only TP rank 0 of DP rank 0 writes
+    it, every rank reads it whole. ``keep_vars``: the optimizer finds its parameters among these tensors.
+    """
+    from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
+
+    return make_sharded_tensors_for_checkpoint(module.state_dict(keep_vars=True), f"{COMPONENTS_KEY}.{name}.")
+
+
+def _optimizer_state(optimizer: Any, model_state: dict[str, Any], is_loading: bool) -> dict[str, Any]:
+    """``optimizer.sharded_state_dict``, except for a bf16 optimizer that also steps fp32 parameters (see
+    :func:`_mixed_float16_state`)."""
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
+
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    mixed = [
+        m
+        for m in members
+        if isinstance(m, Float16OptimizerWithFloat16Params) and any(m.fp32_from_fp32_groups)
+    ]
+    if not mixed:
+        return optimizer.sharded_state_dict(
+            model_state, is_loading=is_loading, metadata=dict(_OPTIMIZER_METADATA)
         )
+    if len(members) > 1:
+        raise NotImplementedError(
+            "checkpoints of a bf16 run whose megatron optimizer is chained (expert parallelism) and steps fp32 "
+            "parameters (a composed model's encoder side) are not yet supported; train with "
+            "expert_model_parallel_size=1 or precision 32-true"
+        )
+    return _mixed_float16_state(mixed[0], model_state, is_loading)
+
+
+def _mixed_float16_state(optimizer: Any, model_state: dict[str, Any], is_loading: bool) -> dict[str, Any]:
+    """The sharded state of megatron's bf16 optimizer when it also steps fp32 parameters (in bf16 runs, a composed
+    model's encoder side keeps fp32 parameters, see components.py), in the layout megatron's own loads.
+
+    megatron-core 0.16's ``Float16OptimizerWithFloat16Params.sharded_state_dict`` numbers the optimizer's
+    parameters over its bf16 ones only, while torch's optimizer state dict numbers all of them, group after group:
+    with fp32 parameters among them the ids no longer match (``Param id ... does not match``, or Adam's moments
+    saved under another parameter's key). Here each id is matched to the model parameter its optimizer entry
+    stands for: a bf16 parameter's fp32 main copy stands for it, an fp32 parameter for itself.
+    """
+    from megatron.core.dist_checkpointing.optimizer import (
+        get_param_id_to_sharded_param_map,
+        make_sharded_optimizer_tensor,
+        optim_state_to_sharding_state,
+    )
+
+    if is_loading:
+        optimizer.init_state_fn(optimizer.optimizer, optimizer.config)
+    state = optimizer.state_dict()
+    owner = {  # fp32 main copy -> its bf16 model parameter
+        id(main): param
+        for params, mains in zip(optimizer.float16_groups, optimizer.fp32_from_float16_groups, strict=True)
+        for param, main in zip(params, mains, strict=True)
+    }
+    groups = optimizer.optimizer.param_groups
+    by_id = get_param_id_to_sharded_param_map(
+        model_state, [owner.get(id(p), p) for group in groups for p in group["params"]]
+    )
+    saved_groups = state["optimizer"]["param_groups"]
+    # Per group, the main copies of its bf16 parameters in order (what megatron's load_state_dict copies back).
+    state["fp32_from_fp16_params"] = [
+        [
+            make_sharded_optimizer_tensor(by_id[i], p, prefix="optimizer.state.fp32_param")
+            for i, p in zip(saved["params"], group["params"], strict=True)
+            if id(p) in owner
+        ]
+        for saved, group in zip(saved_groups, groups, strict=True)
+    ]
+    # One step for all parameters, stored once (megatron's load gives each parameter a copy).
+    steps = [entry["step"] for entry in state["optimizer"]["state"].values() if "step" in entry]
+    if any(not torch.equal(torch.as_tensor(s), torch.as_tensor(steps[0])) for s in steps):
+        raise ValueError("the optimizer's step differs between parameters; megatron-core stores one step")
+    optim_state_to_sharding_state(state["optimizer"], by_id, exclude_keys="step")
+    if steps:
+        state["optimizer"]["state"]["common_step"] = steps[0]
     return state
 
 
@@ -115,10 +213,21 @@ def _allocate_distributed_adam_state(optimizer: Any) -> None:
                     }
 
 
-def load_into(chunks: Sequence[nn.Module], optimizer: Any | None, loaded: Mapping[str, Any]) -> None:
-    """Copy a loaded sharded state dict (see :func:`sharded_state_dict`) into the chunks and the optimizer."""
+def load_into(
+    chunks: Sequence[nn.Module],
+    optimizer: Any | None,
+    loaded: Mapping[str, Any],
+    components: Mapping[str, nn.Module] | None = None,
+) -> None:
+    """Copy a loaded sharded state dict (see :func:`sharded_state_dict`) into the chunks, the encoder-side
+    ``components`` and the optimizer."""
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"model{i}"], strict=True)
+    for name, module in (components or {}).items():
+        prefix = f"{COMPONENTS_KEY}.{name}."
+        module.load_state_dict(
+            {k.removeprefix(prefix): v for k, v in loaded[COMPONENTS_KEY][name].items()}, strict=True
+        )
     if optimizer is None:
         return
     members = getattr(optimizer, "chained_optimizers", [optimizer])
@@ -237,12 +346,20 @@ def check_tensors(path: Path, template: Mapping[str, Any]) -> None:
         )
     if missing:
         weights_only = all(key.startswith("optimizer.") for key in missing)
-        hint = (
-            "it holds no optimizer state (a weights-only checkpoint): to train from its weights, convert it with "
-            "forge-convert megatron-to-hf and pass the directory as model.init_args.pretrained"
-            if weights_only
-            else "it was written for another model or optimizer"
-        )
+        components = sorted({key.split(".")[1] for key in missing if key.startswith(f"{COMPONENTS_KEY}.")})
+        if weights_only:
+            hint = (
+                "it holds no optimizer state (a weights-only checkpoint): to train from its weights, convert it "
+                "with forge-convert megatron-to-hf and pass the directory as model.init_args.pretrained"
+            )
+        elif components:
+            hint = (
+                f"it holds no weights for the components {components} (written for another model, e.g. the "
+                "decoder LM alone): start the composed model from the decoder's weights (forge-convert "
+                "megatron-to-hf) instead"
+            )
+        else:
+            hint = "it was written for another model or optimizer"
         raise ValueError(
             f"{path} lacks {len(missing)} tensors this run needs ({sorted(set(missing))[:4]} ...): {hint}"
         )
@@ -287,6 +404,21 @@ def check_expert_layout(path: Path, meta: Mapping[str, Any], ep: int) -> None:
         "and EP > 1. Resume with expert_model_parallel_size "
         f"{'> 1' if saved > 1 else '= 1'}, or take its weights only (forge validate / test --ckpt_path, or "
         "forge-convert megatron-to-hf and model.init_args.pretrained)"
+    )
+
+
+def check_frozen(path: Path, meta: Mapping[str, Any], frozen: Sequence[str]) -> None:
+    """Raise ``ValueError`` when the checkpoint's optimizer was written with other components frozen: it holds state
+    for the trainable parameters only, so the optimizer does not resume across a change of freezing."""
+    info = meta.get(INFO_KEY, {})
+    saved = info.get("frozen")
+    if info.get("optimizer") is None or saved is None or sorted(saved) == sorted(frozen):
+        return
+    raise ValueError(
+        f"{path} was written with the components {sorted(saved)} frozen, this run freezes {sorted(frozen)}: the "
+        "optimizer holds state for the trainable parameters only, so it does not resume across a change of "
+        "freezing. Resume with the checkpoint's components.<name>.freeze settings, or take its weights only "
+        "(forge validate / test --ckpt_path, or full_model_state_dict)"
     )
 
 

@@ -27,6 +27,11 @@ global batch's trainable tokens (megatron's per-token loss): megatron's ``finali
 trainable parameters (frozen ones have ``requires_grad`` off and get no state); its gradient norm counts a replicated
 parameter once (on TP rank 0), as megatron does for the twin's replicated norms.
 
+Checkpoints. The encoder side's parameters (frozen ones too) are saved in the same megatron dist-checkpoint as the
+twin, under ``components.<name>.<parameter>`` as tensors replicated over the TP x DP group (only TP rank 0 of DP
+rank 0 writes them), and their optimizer state beside them (see checkpoint.py); they load at any decoder layout.
+``full_model_state_dict`` gives the LightningModule's own state-dict names (:meth:`Components.full_state_dict`).
+
 Options (``components: {NAME: {...}}``, NAME a component of the module's plan):
 
 * ``tensor_model_parallel_size``: the decoder runs at the strategy's TP size; the others at 1 (larger sizes, which
@@ -461,14 +466,59 @@ class Components:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=torch.bfloat16)
 
-    def check_checkpointing(self, what: str) -> None:
-        """Refuse checkpoints / exports of a composed model (the encoder side is not in megatron's sharded state)."""
-        if self.composed:
-            raise NotImplementedError(
-                f"{what} of a composed model (components feeding a decoder LM) is not yet supported by "
-                "MegatronStrategy: the encoder side is not part of megatron's sharded checkpoint (train with "
-                "trainer.enable_checkpointing: false, or use a native strategy to save)"
-            )
+    # ----- checkpoints and export ---------------------------------------------------------------------------------
+    def decoder_config(self) -> Any:
+        """The decoder's ``LLMConfig`` (written as a checkpoint's ``config.json`` and checked on load)."""
+        return self._decoder().component.module.config if self.composed else self.module.config
+
+    def encoder_modules(self) -> dict[str, nn.Module]:
+        """The encoder side's modules by component name (frozen ones included), in the plan's order; empty for a
+        module without composition. Checkpoints store them as replicated tensors (see checkpoint.py)."""
+        return {r.component.name: r.component.module for r in self._encoder_side()}
+
+    def frozen(self) -> list[str]:
+        """The names of the frozen components (no optimizer state), as the checkpoint records them."""
+        return sorted(r.component.name for r in self.resolved if r.frozen)
+
+    def full_state_dict(self, decoder_hf: dict[str, Tensor], module: nn.Module | None) -> dict[str, Tensor]:
+        """A composed model's full state dict under the native module's names, from the twin's Hugging Face export.
+
+        The decoder's tensors go under its module's prefix in the LightningModule (``model.llm.``) in the native
+        layout (a MoE layer's experts fused into 3-D tensors, a tied ``lm_head.weight`` beside the embedding), the
+        encoder side's are this rank's replica of them: the LightningModule's own ``state_dict()`` keys, which
+        ``load_state_dict(strict=True)`` takes back.
+
+        Args:
+            decoder_hf: ``export_hf_state`` of the twin (full on global rank 0, empty elsewhere).
+            module: ``None`` (or the LightningModule) for every key; a submodule for its keys, relative to it.
+
+        Returns:
+            The state dict on global rank 0 (CPU), an empty dict elsewhere.
+        """
+        from forge_lightning.modules.llm.hf import _EMBEDDING, _TIED_HEAD, fuse_experts
+
+        prefixes = {id(sub): name for name, sub in self.module.named_modules()}
+        prefix = "" if module is None else prefixes.get(id(module))
+        if prefix is None:
+            raise ValueError(f"{type(module).__name__} is not a submodule of {type(self.module).__name__}")
+        if dist.get_rank() != 0:
+            return {}
+        decoder = self._decoder().component.module
+        native = fuse_experts(decoder_hf)
+        order = list(decoder.state_dict())
+        if decoder.config.tie_word_embeddings and _TIED_HEAD in order:
+            native[_TIED_HEAD] = native[_EMBEDDING]
+        parts = {id(decoder): {k: native[k] for k in order if k in native} | native}  # the native order
+        for r in self._encoder_side():
+            parts[id(r.component.module)] = {
+                k: v.detach().cpu().clone() for k, v in r.component.module.state_dict().items()
+            }
+        full: dict[str, Tensor] = {}
+        for name, sub in self.module.named_modules():  # the native state dict's order
+            for key, tensor in parts.pop(id(sub), {}).items():
+                full[f"{name}.{key}" if name else key] = tensor
+        within = f"{prefix}." if prefix else ""
+        return {k.removeprefix(within): v for k, v in full.items() if k.startswith(within)}
 
 
 def _prepare_encoder_component(r: ResolvedComponent) -> None:

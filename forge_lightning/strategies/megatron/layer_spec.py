@@ -8,8 +8,9 @@ dispatcher, ``SequentialMLP`` experts, shared expert) and ``TransformerLayer`` a
 * :class:`MegatronRMSNorm`: forge's RMSNorm (fp32 statistics, as Hugging Face) whose weight is tagged
   ``sequence_parallel`` so megatron all-reduces its gradient over the TP group when the sequence is sharded;
 * :class:`SDPACoreAttention`: causal ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient
-  kernels on CUDA, a math kernel on CPU); with context parallelism, Ulysses all-to-all attention over megatron's CP
-  group (megatron's own CP needs TransformerEngine's attention).
+  kernels on CUDA, a math kernel on CPU); with context parallelism, forge's Ulysses (``cp_comm_type`` ``a2a``), ring
+  (``p2p``) or hybrid (``a2a+p2p``) attention over megatron's CP groups (megatron's own CP needs TransformerEngine's
+  attention).
 
 Multi-latent attention (DeepSeek-V3) is megatron's ``MLASelfAttention`` with the same core attention, its query and
 key/value down projections replicated over the TP ranks (as in megatron's TE spec, see :func:`local_mla_spec`) and
@@ -54,6 +55,8 @@ from forge_lightning.modules.layers.mla import LATENT_NORM_EPS
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.strategies.context_parallel import (
     ContextParallel,
+    hybrid_attention,
+    ring_attention,
     to_head_parallel,
     to_sequence_parallel,
 )
@@ -93,15 +96,22 @@ class SDPACoreAttention(MegatronModule):
 
     With context parallelism (``config.context_parallel_size`` = P > 1) each rank holds ``S / P`` positions of the
     sequence in megatron's load-balanced layout (rank ``r``: chunks ``r`` and ``2P - 1 - r`` of ``2P``, see
-    :func:`~forge_lightning.strategies.megatron.schedule.shard_on_context_parallel_rank`), and attention runs
-    Ulysses-style (:mod:`forge_lightning.strategies.context_parallel`) over megatron's CP group::
+    :func:`~forge_lightning.strategies.megatron.schedule.shard_on_context_parallel_rank`), and attention runs over
+    megatron's CP group as ``cp_comm_type`` says (:mod:`forge_lightning.strategies.context_parallel`):
+
+    * ``a2a`` (default), Ulysses::
 
         q, k, v [s/P, b, heads, D] ──all-to-all──▶ [b, heads/P, S, D] in sequence order ── causal SDPA ──▶
                                    ──all-to-all──▶ [s/P, b, heads, D]
 
-    RoPE was applied before, at the global positions (megatron's rotary embedding selects this rank's chunks). When
-    the rank's key/value groups do not divide by ``P`` (e.g. MQA), they are repeated to the query heads first.
-    Values may have another head size than queries and keys (multi-latent attention).
+      When the rank's key/value groups do not divide by ``P`` (e.g. MQA), they are repeated to the query heads first.
+    * ``p2p``, ring attention: key/value blocks pass around the CP ranks, outputs merge by log-sum-exp; no head
+      constraint, grouped key/value heads are not repeated.
+    * ``a2a+p2p``: Ulysses inside megatron's first hierarchical CP group (``hierarchical_context_parallel_sizes[0]``
+      ranks), ring across the second.
+
+    RoPE was applied before, at the global positions (megatron's rotary embedding selects this rank's chunks). Values
+    may have another head size than queries and keys (multi-latent attention).
 
     Args:
         config: the transformer config.
@@ -110,7 +120,8 @@ class SDPACoreAttention(MegatronModule):
         attention_type: ``self`` (megatron passes it).
         attention_dropout: dropout probability (default: ``config.attention_dropout``).
         softmax_scale: score scale (default: ``1 / sqrt(query head size)``; MLA passes its own).
-        pg_collection: megatron's process groups (its ``cp`` group; default: megatron's parallel state).
+        cp_comm_type: ``a2a``, ``p2p`` or ``a2a+p2p`` (megatron passes ``config.cp_comm_type``; ``None``: ``a2a``).
+        pg_collection: megatron's process groups (its ``cp`` and ``hcp`` groups; default: megatron's parallel state).
     """
 
     def __init__(
@@ -121,6 +132,7 @@ class SDPACoreAttention(MegatronModule):
         attention_type: str = "self",
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
+        cp_comm_type: str | None = None,
         pg_collection: Any = None,
         **_: Any,
     ) -> None:
@@ -131,9 +143,12 @@ class SDPACoreAttention(MegatronModule):
         self.softmax_scale = softmax_scale
         self.cp: ContextParallel | None = None
         if config.context_parallel_size > 1:
-            group = getattr(pg_collection, "cp", None)
-            group = parallel_state.get_context_parallel_group() if group is None else group
-            self.cp = ContextParallel(group, load_balanced_chunk_order(config.context_parallel_size))
+            self.cp = _context_parallel(config, cp_comm_type or "a2a", pg_collection)
+            if self.cp.comm_type != "a2a" and self.dropout:
+                raise NotImplementedError(
+                    f"attention dropout ({self.dropout}) with cp_comm_type {self.cp.comm_type!r}: ring attention has "
+                    "no dropout; use cp_comm_type 'a2a'"
+                )
 
     def forward(
         self,
@@ -152,6 +167,10 @@ class SDPACoreAttention(MegatronModule):
             raise NotImplementedError("packed sequences and attention bias are not yet supported")
         s, b, heads, _ = query.shape
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.cp is not None and self.cp.comm_type != "a2a":  # ring or hybrid: [b, h, s/P, D] in and out
+            attend = ring_attention if self.cp.comm_type == "p2p" else hybrid_attention
+            out_BHSD = attend(q_BHSD, k_BGSD, v_BGSD, self.cp, causal=True, scale=self.softmax_scale)
+            return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * dim_v]
         repeat = heads // k_BGSD.shape[1]
         if repeat > 1 and (self.cp is None or k_BGSD.shape[1] % self.cp.size):
             # GQA: each key/value group serves `repeat` consecutive query heads. Under CP, groups that do not split
@@ -175,6 +194,23 @@ class SDPACoreAttention(MegatronModule):
         if self.cp is not None:
             out_BHSD = to_sequence_parallel(out_BHSD, self.cp)  # [b, h, s/P, D]
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * dim_v]
+
+
+def _context_parallel(config: TransformerConfig, comm_type: str, pg_collection: Any) -> ContextParallel:
+    """megatron's CP group (and, for ``a2a+p2p``, its hierarchical groups) in megatron's load-balanced layout."""
+    group = getattr(pg_collection, "cp", None)
+    group = parallel_state.get_context_parallel_group() if group is None else group
+    order = load_balanced_chunk_order(config.context_parallel_size)
+    if comm_type != "a2a+p2p":
+        return ContextParallel(group, order, comm_type)
+    hcp = parallel_state.get_hierarchical_context_parallel_groups
+    groups = getattr(pg_collection, "hcp", None) or hcp(check_initialized=False)
+    if not groups or len(groups) != 2:
+        raise ValueError(
+            "cp_comm_type 'a2a+p2p' needs megatron's two hierarchical context-parallel groups: set "
+            "hierarchical_context_parallel_sizes [a2a, p2p] (megatron's initialize_model_parallel creates them)"
+        )
+    return ContextParallel(group, order, comm_type, a2a_group=groups[0], p2p_group=groups[1])
 
 
 def load_balanced_chunk_order(cp: int) -> tuple[int, ...]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from torch import nn
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.hf import split_experts
 from forge_lightning.modules.llm.megatron import build_gpt_model, transformer_config, unwrap
+from forge_lightning.strategies.context_parallel import CP_COMM_TYPES
 from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec, transformer_engine_available
 
 
@@ -18,7 +20,8 @@ def validate_degrees(world_size: int, degrees: dict[str, Any]) -> int:
 
     Args:
         world_size: number of processes.
-        degrees: the strategy's options (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ...).
+        degrees: the strategy's options (``tensor_model_parallel_size``, ``pipeline_model_parallel_size``, ...;
+            ``cp_comm_type`` and ``hierarchical_context_parallel_sizes`` may be absent: Ulysses).
 
     Raises:
         ValueError: inconsistent degrees, named in the message.
@@ -49,7 +52,33 @@ def validate_degrees(world_size: int, degrees: dict[str, Any]) -> int:
         raise ValueError(f"sequence_parallel needs tensor_model_parallel_size > 1: {named}")
     if degrees["overlap_param_gather"] and not degrees["use_distributed_optimizer"]:
         raise ValueError(f"overlap_param_gather needs use_distributed_optimizer: {named}")
+    _check_context_parallel(
+        cp, degrees.get("cp_comm_type", "a2a"), degrees.get("hierarchical_context_parallel_sizes")
+    )
     return world_size // (tp * pp * cp)
+
+
+def _check_context_parallel(cp: int, comm_type: str, sizes: list[int] | None) -> None:
+    """Raise ``ValueError`` unless ``cp_comm_type`` and ``hierarchical_context_parallel_sizes`` fit each other and
+    ``context_parallel_size``."""
+    if comm_type not in CP_COMM_TYPES:
+        raise ValueError(f"cp_comm_type ({comm_type!r}) must be one of {', '.join(CP_COMM_TYPES)}")
+    if comm_type != "a2a+p2p":
+        if sizes:
+            raise ValueError(
+                f"hierarchical_context_parallel_sizes ({sizes}) is only read with cp_comm_type 'a2a+p2p', got "
+                f"{comm_type!r}"
+            )
+        return
+    if not sizes or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+        raise ValueError(
+            f"cp_comm_type 'a2a+p2p' needs hierarchical_context_parallel_sizes [a2a, p2p] whose product is "
+            f"context_parallel_size ({cp}), got {sizes}"
+        )
+    if importlib.util.find_spec("einops") is None:  # megatron-core builds its hierarchical groups with einops
+        raise ImportError(
+            "cp_comm_type 'a2a+p2p' needs einops (megatron-core's hierarchical groups): pip install einops"
+        )
 
 
 def _llm_config_of(module: nn.Module) -> LLMConfig:
@@ -105,8 +134,16 @@ def build_chunks(
     use_te = use_transformer_engine
     if use_te is None:  # multi-latent attention: always the local spec (see gpt_decoder_spec)
         use_te = transformer_engine_available() and config.mla is None
-    if not use_te:  # TransformerEngine's attention brings its own context parallelism (ring attention)
-        check_ulysses_heads(config, degrees["tensor_model_parallel_size"], degrees["context_parallel_size"])
+    cp, comm_type = degrees["context_parallel_size"], degrees.get("cp_comm_type", "a2a")
+    hierarchy = degrees.get("hierarchical_context_parallel_sizes") if comm_type == "a2a+p2p" else None
+    if not use_te:  # TransformerEngine's attention brings its own context parallelism
+        ulysses = {"a2a": cp, "p2p": 1, "a2a+p2p": hierarchy[0] if hierarchy else 1}[comm_type]
+        option = "context_parallel_size" if comm_type == "a2a" else "hierarchical_context_parallel_sizes[0]"
+        check_ulysses_heads(config, degrees["tensor_model_parallel_size"], ulysses, option=option)
+    # megatron's own names: its TE attention reads them too (None: its default).
+    cp_fields = (
+        {"cp_comm_type": comm_type, "hierarchical_context_parallel_sizes": hierarchy} if cp > 1 else {}
+    )
     tf_config = transformer_config(
         config,
         tensor_model_parallel_size=degrees["tensor_model_parallel_size"],
@@ -117,8 +154,10 @@ def build_chunks(
         sequence_parallel=degrees["sequence_parallel"],
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
         bf16=bf16,
-        # The weights are loaded below (every parameter, checked): megatron's random init would be overwritten.
-        **{"perform_initialization": False, **(config_overrides or {})},
+        **cp_fields,
+        # On a GPU, built there (megatron's CPU initialisation is slow at real sizes); the init values are
+        # overwritten below, but megatron's init functions also tag the tensor-parallel weights.
+        **{"use_cpu_initialization": device.type != "cuda", **(config_overrides or {})},
     )
     chunks = []
     for stage in range(vpp):
@@ -149,24 +188,30 @@ def build_chunks(
     return [Float16Module(tf_config, chunk) if bf16 else chunk for chunk in chunks]
 
 
-def check_ulysses_heads(config: LLMConfig, tp: int, cp: int) -> None:
+def check_ulysses_heads(
+    config: LLMConfig, tp: int, cp: int, *, option: str = "context_parallel_size"
+) -> None:
     """Raise ``ValueError`` unless Ulysses context parallelism can split this TP rank's query heads over CP ranks.
 
-    Each context-parallel rank attends over the whole sequence for ``1 / cp`` of the rank's query heads (see
+    Each Ulysses rank attends over the whole sequence for ``1 / cp`` of the rank's query heads (see
     :class:`~forge_lightning.strategies.megatron.layer_spec.SDPACoreAttention`). Key/value heads need not divide:
-    when they do not, they are repeated to the query heads before the exchange (more bytes, same result).
+    when they do not, they are repeated to the query heads before the exchange (more bytes, same result). Ring
+    attention (``cp_comm_type`` ``p2p``) has no such constraint; the hybrid's Ulysses part (``a2a+p2p``) has, over
+    its ``hierarchical_context_parallel_sizes[0]`` ranks.
 
     Args:
         config: the decoder's configuration (``num_heads``).
         tp: ``tensor_model_parallel_size``.
-        cp: ``context_parallel_size``.
+        cp: the ranks Ulysses splits the heads over (``context_parallel_size`` with ``cp_comm_type`` ``a2a``).
+        option: the option that set ``cp``, for the message.
     """
     if cp == 1 or (config.num_heads // tp) % cp == 0:
         return
     raise ValueError(
-        f"context_parallel_size ({cp}) must divide the query heads of each tensor-parallel rank, num_heads "
+        f"{option} ({cp}) must divide the query heads of each tensor-parallel rank, num_heads "
         f"({config.num_heads}) / tensor_model_parallel_size ({tp}) = {config.num_heads // tp}: Ulysses attention "
-        "gives each context-parallel rank a share of the heads over the whole sequence"
+        "gives each context-parallel rank a share of the heads over the whole sequence (cp_comm_type 'p2p', ring "
+        "attention, does not)"
     )
 
 

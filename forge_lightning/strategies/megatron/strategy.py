@@ -12,8 +12,8 @@ weights into it (each rank keeps its TP shard of its pipeline stage) and trains 
       lr_scheduler.step() ──> the module's SchedulerConfig, as a LambdaLR on megatron's param groups
 
 Checkpoints are megatron-core dist-checkpoints written through :class:`MegatronCheckpointIO` (checkpoint.py): model
-chunks and optimizer sharded, Lightning's own state in a ``weights_only`` file beside them; they resume at any
-TP / PP / VPP / DP layout.
+chunks (and a composed model's encoder side, replicated) and optimizer sharded, Lightning's own state in a
+``weights_only`` file beside them; they resume at any TP / PP / VPP / DP layout.
 
 The one batch rule maps onto megatron's knobs: ``data.batch_size`` is megatron's micro-batch size,
 ``accumulate_grad_batches`` its number of micro-batches, and the global batch is their product times the
@@ -78,9 +78,12 @@ class MegatronStrategy(ParallelStrategy):
             must be a multiple of PP); ``None``: one.
         sequence_parallel: with TP, shard norms / dropout / residual stream on the sequence.
         context_parallel_size: CP ranks sharing each sequence (megatron's load-balanced layout: ``2 × CP`` chunks,
-            rank ``r`` holding ``r`` and ``2·CP − 1 − r``); attention is Ulysses all-to-all over the CP group
-            (without TransformerEngine), so CP must divide the query heads per TP rank and ``2 × CP`` the
-            sequence length.
+            rank ``r`` holding ``r`` and ``2·CP − 1 − r``); ``2 × CP`` must divide the sequence length.
+        cp_comm_type: context-parallel attention, megatron-core's names: ``a2a`` (Ulysses all-to-all; CP must divide
+            the query heads per TP rank), ``p2p`` (ring attention; no head constraint) or ``a2a+p2p`` (Ulysses
+            inside groups of ``hierarchical_context_parallel_sizes[0]`` ranks, ring across them).
+        hierarchical_context_parallel_sizes: ``[a2a, p2p]`` group sizes of ``a2a+p2p`` (product: CP); megatron-core
+            builds the groups (needs einops).
         expert_model_parallel_size: EP ranks splitting each MoE layer's routed experts (all-to-all token
             dispatch); must divide DP × CP and ``moe.num_experts``. 1 for dense models.
         use_distributed_optimizer: shard optimizer state and fp32 main weights over data-parallel ranks.
@@ -107,6 +110,8 @@ class MegatronStrategy(ParallelStrategy):
         virtual_pipeline_model_parallel_size: int | None = None,
         sequence_parallel: bool = False,
         context_parallel_size: int = 1,
+        cp_comm_type: str = "a2a",
+        hierarchical_context_parallel_sizes: list[int] | None = None,
         expert_model_parallel_size: int = 1,
         use_distributed_optimizer: bool = False,
         overlap_grad_reduce: bool = False,
@@ -122,6 +127,8 @@ class MegatronStrategy(ParallelStrategy):
         self.virtual_pipeline_model_parallel_size = virtual_pipeline_model_parallel_size
         self.sequence_parallel = sequence_parallel
         self.context_parallel_size = context_parallel_size
+        self.cp_comm_type = cp_comm_type
+        self.hierarchical_context_parallel_sizes = hierarchical_context_parallel_sizes
         self.expert_model_parallel_size = expert_model_parallel_size
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce
@@ -186,13 +193,14 @@ class MegatronStrategy(ParallelStrategy):
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
+            hierarchical_context_parallel_sizes=self.hierarchical_context_parallel_sizes,
         )
         model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
         self._parallel_ready = True
         rank_zero_info(
             f"{type(self).__name__}: TP={self.tensor_model_parallel_size} x PP={self.pipeline_model_parallel_size}"
             f" (VPP={self.virtual_pipeline_model_parallel_size or 1}) x CP={self.context_parallel_size} x DP={dp} (EP="
-            f"{self.expert_model_parallel_size}) over {self.world_size} processes; "
+            f"{self.expert_model_parallel_size}) over {self.world_size} processes; cp_comm_type={self.cp_comm_type}, "
             f"sequence_parallel={self.sequence_parallel}, distributed optimizer={self.use_distributed_optimizer}"
         )
 
@@ -202,6 +210,8 @@ class MegatronStrategy(ParallelStrategy):
             "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
             "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
             "context_parallel_size": self.context_parallel_size,
+            "cp_comm_type": self.cp_comm_type,
+            "hierarchical_context_parallel_sizes": self.hierarchical_context_parallel_sizes,
             "expert_model_parallel_size": self.expert_model_parallel_size,
             "sequence_parallel": self.sequence_parallel,
             "overlap_param_gather": self.overlap_param_gather,
@@ -285,8 +295,6 @@ class MegatronStrategy(ParallelStrategy):
         )
         parts.wrap_encoders(self._chunks, device=self.root_device, bf16=self._bf16)
         if trainer.state.fn == TrainerFn.FITTING:
-            if trainer.checkpoint_callbacks:  # fail now, not at the first save
-                parts.check_checkpointing("Saving checkpoints (ModelCheckpoint)")
             check_interleaved_micro_batches(
                 self.pipeline_model_parallel_size,
                 self.virtual_pipeline_model_parallel_size,
@@ -411,14 +419,19 @@ class MegatronStrategy(ParallelStrategy):
 
     # ----- export and teardown ----------------------------------------------------------------------------------
     def full_model_state_dict(self, module: nn.Module | None = None) -> dict[str, torch.Tensor]:
-        """The trained weights as a full Hugging Face state dict on global rank 0 (CPU; empty elsewhere).
+        """The trained weights as a full state dict on global rank 0 (CPU; empty elsewhere). Collective: call it on
+        every rank.
 
-        Collective: call it on every rank. ``module`` is accepted for the native strategies' signature.
+        A decoder LM (``CausalLM``): its Hugging Face state dict; ``module`` is accepted for the native strategies'
+        signature. A composed model: the LightningModule's own ``state_dict()`` names (the decoder's tensors under
+        its prefix, e.g. ``model.llm.model.embed_tokens.weight``; the encoder side's as they are), or with
+        ``module`` a submodule's, relative to it (as the native strategies' ``full_model_state_dict``).
         """
         from forge_lightning.strategies.megatron.bridge import export_hf_state
 
-        self._components.check_checkpointing("full_model_state_dict")
-        return export_hf_state(self._chunks, self.lightning_module.config)
+        parts = self._components
+        decoder = export_hf_state(self._chunks, parts.decoder_config())
+        return parts.full_state_dict(decoder, module) if parts.composed else decoder
 
     # ----- checkpoints (see checkpoint.py) ----------------------------------------------------------------------
     @property
@@ -464,35 +477,40 @@ class MegatronStrategy(ParallelStrategy):
         """Write a megatron-core dist-checkpoint directory at ``filepath`` (collective; atomic)."""
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes its own checkpoints and takes no storage_options")
-        self._components.check_checkpointing("Saving a checkpoint")
         path = self.broadcast(str(filepath))
         with_optimizer = "optimizer_states" in checkpoint  # absent in ModelCheckpoint(save_weights_only=True)
         optimizer = self.optimizers[0] if with_optimizer and self.optimizers else None
         checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
-        checkpoint[ckpt.SHARDED_KEY] = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=False)
-        checkpoint[ckpt.HF_CONFIG_KEY] = self.lightning_module.config.to_hf()
+        parts = self._components
+        checkpoint[ckpt.SHARDED_KEY] = ckpt.sharded_state_dict(
+            self._chunks, optimizer, is_loading=False, components=parts.encoder_modules()
+        )
+        checkpoint[ckpt.HF_CONFIG_KEY] = parts.decoder_config().to_hf()  # a composed model's: its decoder's
         checkpoint[ckpt.INFO_KEY] = {
             "layout": {**self._degrees(), "data_parallel_size": self.data_parallel_size},
             "world_size": self.world_size,
             "optimizer": self._optimizer_kind() if optimizer is not None else None,
+            "frozen": parts.frozen(),
         }
         self.checkpoint_io.save_checkpoint(checkpoint, path)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """Load a checkpoint of any layout into this rank's chunks (and optimizer, when fitting). Collective."""
-        self._components.check_checkpointing("Loading a checkpoint")
+        parts = self._components
         path = Path(self.broadcast(str(checkpoint_path)))
         meta = ckpt.check_is_checkpoint(path)
-        ckpt.check_model_config(path, self.lightning_module.config)
+        ckpt.check_model_config(path, parts.decoder_config())
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         if optimizer is not None:
             ckpt.check_optimizer_kind(path, meta, self._optimizer_kind())
             ckpt.check_expert_layout(path, meta, self.expert_model_parallel_size)
-        template = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=True)
+            ckpt.check_frozen(path, meta, parts.frozen())
+        encoders = parts.encoder_modules()
+        template = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=True, components=encoders)
         checkpoint = self.checkpoint_io.load_checkpoint(path, sharded_state_dict=template)
-        ckpt.load_into(self._chunks, optimizer, checkpoint.pop(ckpt.SHARDED_KEY))
+        ckpt.load_into(self._chunks, optimizer, checkpoint.pop(ckpt.SHARDED_KEY), components=encoders)
         rank_zero_info(f"{type(self).__name__}: loaded {path} ({ckpt.describe_layout(checkpoint)})")
         checkpoint[ckpt.SHARDED_KEY] = {}
         return checkpoint
