@@ -54,3 +54,54 @@ def test_a_parameter_no_rule_fills_is_an_error(megatron_world, hf_models):
         ValueError, match=r"without a Hugging Face weight rule: \['decoder.final_layernorm.weight'\]"
     ):
         check_all_filled(model, filled - {"decoder.final_layernorm.weight"})
+
+
+def test_packed_rows_and_z_loss_match_the_native_model(megatron_world, hf_models):
+    """A packed batch (``document_ids``): the twin attends within each document with positions restarting per
+    document (llama3-scaled RoPE, grouped key/value heads), giving the native model's logits; with ``z_loss`` its
+    per-token loss (the schedule's forward step) sums to the native ``loss_sum``."""
+    from forge_lightning.modules.llm import CausalLM
+    from forge_lightning.strategies.megatron import schedule
+
+    path, _ = hf_models["llama"]
+    _, model = _twin(path)
+    native = CausalLM(config=str(path), pretrained=str(path), z_loss=1e-2).eval()
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(2))
+    document_ids = torch.tensor([[0] * 7 + [1] * 5 + [2] * 12, [0] * 10 + [1] * 14])
+    labels = ids.roll(-1, dims=1).masked_fill(
+        torch.rand(2, 24, generator=torch.Generator().manual_seed(3)) < 0.3, -100
+    )
+    batch = {"input_ids": ids, "labels": labels, "document_ids": document_ids}
+    position_ids, documents = schedule.packed_inputs(batch, model)
+    with torch.no_grad():
+        expected = native(ids, document_ids=document_ids)
+        torch.testing.assert_close(model(ids, position_ids, documents), expected, atol=1e-5, rtol=0)
+        assert (model(ids, None, None) - expected).abs().max() > 1e-2  # the document mask matters
+        # RoPE scores depend on position differences only, so within a document positions restarting there equal
+        # 0..S-1 up to rounding; positions that are not a shift per document (given by the batch) are followed.
+        shifted = position_ids + torch.arange(24) // 5
+        rotated = native(ids, position_ids=shifted, document_ids=document_ids)
+        torch.testing.assert_close(model(ids, shifted, documents), rotated, atol=1e-5, rtol=0)
+        assert (rotated - expected).abs().max() > 1e-3
+
+    model.z_loss = native.z_loss
+    output, loss_func = schedule.forward_step(-100, iter([batch]), model)
+    loss_sum, tokens, _ = loss_func(output)
+    expected_sum, expected_tokens = native.loss_sum(batch)
+    assert int(tokens) == int(expected_tokens)
+    torch.testing.assert_close(loss_sum, expected_sum.float(), atol=0, rtol=1e-5)
+    # Gradients through the z-loss's logsumexp and the document mask: the output layer's and the embedding's.
+    loss_sum.backward()
+    expected_sum.backward()
+    for twin_name, native_param in (
+        ("output_layer.weight", native.model.lm_head.weight),
+        ("embedding.word_embeddings.weight", native.model.model.embed_tokens.weight),
+    ):
+        grad = model.get_parameter(twin_name).grad
+        torch.testing.assert_close(grad, native_param.grad, atol=1e-5 * native_param.grad.abs().max(), rtol=0)
+    model.z_loss = 0.0
+    with torch.no_grad():
+        plain_sum = schedule.masked_loss_sum(
+            labels != -100, model(ids, position_ids, documents, labels=labels.clamp_min(0))
+        )[0]
+    assert (loss_sum - plain_sum) > 1e-3  # the z-loss is in the sum

@@ -10,7 +10,9 @@ with the native ``DecoderLM`` under the one batch rule. A 4-process run does the
 MQA and MLA). ``forge fit`` at CP = 2 against the default strategy is in test_strategy.py.
 """
 
+import re
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -136,7 +138,7 @@ def test_heads_must_split_over_context_parallel_ranks():
         check_ulysses_heads(config, tp=1, cp=3, option="hierarchical_context_parallel_sizes[0]")
 
 
-def test_sequence_length_and_packed_batches_are_refused(monkeypatch):
+def test_sequence_length_is_refused(monkeypatch):
     from megatron.core import parallel_state
 
     monkeypatch.setattr(parallel_state, "get_context_parallel_world_size", lambda: 2)
@@ -146,6 +148,29 @@ def test_sequence_length_and_packed_batches_are_refused(monkeypatch):
     }
     with pytest.raises(ValueError, match=r"sequence length \(30\) must be divisible by 4"):
         schedule.shard_on_context_parallel_rank(batch)
-    packed = {**batch, "document_ids": torch.zeros(2, 30, dtype=torch.long)}
-    with pytest.raises(NotImplementedError, match="packed batches"):
-        schedule.forward_step(-100, iter([packed]), model=None)
+
+
+@pytest.mark.parametrize("comm_type", ["p2p", "a2a+p2p"])
+def test_packed_batches_with_ring_attention_are_refused(comm_type):
+    """Ring attention has no document mask (Ulysses has: packed rows at CP = 2 are in test_strategy.py)."""
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from forge_lightning.strategies.megatron.layer_spec import SDPACoreAttention
+
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
+    core = SDPACoreAttention(config, 1, AttnMaskType.causal)
+    core.cp = SimpleNamespace(comm_type=comm_type)  # only its algorithm is read before the refusal
+    q_SBHD = torch.zeros(16, 1, 2, 4)
+    with pytest.raises(NotImplementedError, match=f"packed batches .* cp_comm_type '{re.escape(comm_type)}'"):
+        core(q_SBHD, q_SBHD, q_SBHD, torch.zeros(1, 16, dtype=torch.long))
+
+
+def test_packed_batches_with_multi_latent_attention_are_refused():
+    model = SimpleNamespace(decoder=None, config=SimpleNamespace(multi_latent_attention=True))
+    batch = {
+        "input_ids": torch.zeros(1, 8, dtype=torch.long),
+        "document_ids": torch.zeros(1, 8, dtype=torch.long),
+    }
+    with pytest.raises(NotImplementedError, match="packed batches .* multi-latent attention"):
+        schedule.packed_inputs(batch, model)

@@ -5,6 +5,7 @@ global batch, through ``forge_entry.py`` (the forge CLI with the test-only CUDA 
 """
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -197,6 +198,105 @@ def test_pretrained_weights_read_per_rank_match_one_process(runner, tmp_path):
         "--trainer.strategy.tensor_model_parallel_size",
         "2",
         *pretrained,
+        batch=4,
+    )
+    _assert_same_losses(rows, reference)
+
+
+@pytest.fixture(scope="module")
+def packed_args(tiny_corpus, tmp_path_factory):
+    """CLI arguments for packed pretraining with the z-loss (``model.z_loss`` 0.01): the tiny corpus cut into
+    100-character documents (~50 tokens: a row of 64 tokens holds parts of 2 or 3) with ``reset_position_ids``
+    (``document_ids`` in the batches: attention within each document, positions restarting at each)."""
+    from forge_lightning.datamodules import PretrainDataModule
+    from forge_lightning.tools.data import main as forge_data
+
+    root = tmp_path_factory.mktemp("short_documents")
+    texts = [json.loads(line)["text"] for line in tiny_corpus["jsonl"].read_text().splitlines()]
+    pieces = [t[i : i + 100] for t in texts for i in range(0, len(t), 100)]
+    (root / "docs.jsonl").write_text("".join(json.dumps({"text": p}) + "\n" for p in pieces))
+    prefix = root / "short"
+    tokenizer = str(tiny_corpus["tokenizer"])
+    forge_data(
+        [
+            "pretrain",
+            "--input",
+            str(root / "docs.jsonl"),
+            "--tokenizer",
+            tokenizer,
+            "--output-prefix",
+            str(prefix),
+        ]
+    )
+    data = PretrainDataModule(
+        str(prefix),
+        tokenizer,
+        seq_length=64,
+        batch_size=4,
+        num_workers=0,
+        pin_memory=False,
+        reset_position_ids=True,
+    )
+    data.setup("fit")
+    first = next(iter(data.train_dataloader()))
+    assert first["document_ids"].amax(dim=1).sum() >= 4  # document boundaries inside the rows
+    return (
+        "--data.data_prefix",
+        str(prefix),
+        "--data.seq_length",
+        "64",
+        "--data.reset_position_ids",
+        "true",
+        "--trainer.limit_val_batches",
+        "0",
+        "--model.init_args.z_loss",
+        "0.01",
+    )
+
+
+def test_packed_documents_and_z_loss_match_one_process_at_tp2_sequence_parallel(runner, packed_args):
+    """Packed rows (``document_ids``, positions restarting per document) at TP = 2 with sequence parallelism; the
+    z-loss's logsumexp over the vocabulary split over the TP ranks (``train/loss`` includes it, as natively)."""
+    reference = runner("packed_reference", *packed_args, devices=1, batch=4)
+    rows = runner(
+        "packed_tp2_sp",
+        *packed_args,
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.tensor_model_parallel_size",
+        "2",
+        "--trainer.strategy.sequence_parallel",
+        "true",
+        batch=4,
+    )
+    _assert_same_losses(rows, reference)
+
+
+def test_packed_documents_and_z_loss_match_one_process_at_pp2(runner, packed_args):
+    reference = runner("packed_reference", *packed_args, devices=1, batch=4)
+    rows = runner(
+        "packed_pp2",
+        *packed_args,
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.pipeline_model_parallel_size",
+        "2",
+        "--trainer.accumulate_grad_batches",
+        "2",
+    )
+    _assert_same_losses(rows, reference)
+
+
+def test_packed_documents_and_z_loss_match_one_process_at_ulysses_cp2(runner, packed_args):
+    """Ulysses CP = 2: each rank holds half of every row; the document mask applies after the all-to-all."""
+    reference = runner("packed_reference", *packed_args, devices=1, batch=4)
+    rows = runner(
+        "packed_cp2",
+        *packed_args,
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.context_parallel_size",
+        "2",
         batch=4,
     )
     _assert_same_losses(rows, reference)

@@ -60,6 +60,7 @@ otherwise not (per-layer mean instead of pooled; see docs/megatron.md). Both are
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -305,11 +306,13 @@ def build_gpt_model(
     pre_process: bool,
     post_process: bool,
     vp_stage: int | None = None,
+    z_loss: float = 0.0,
 ) -> nn.Module:
     """Build one megatron-core ``GPTModel`` chunk (this rank's TP shard of one pipeline stage).
 
     RoPE frequencies (plain, linear or llama3-scaled) are those of forge's own model, so the twin computes the
-    same function as :class:`~forge_lightning.modules.llm.model.DecoderLM`.
+    same function as :class:`~forge_lightning.modules.llm.model.DecoderLM`; the chunk is a
+    :func:`forge_gpt_model_class`, whose RoPE follows ``position_ids`` and whose per-token loss adds the z-loss.
 
     Args:
         config: the decoder's configuration.
@@ -318,16 +321,16 @@ def build_gpt_model(
         pre_process: this chunk holds the embedding (first stage).
         post_process: this chunk holds the final norm and output layer (last stage).
         vp_stage: virtual pipeline stage of this chunk.
+        z_loss: weight of the z-loss (``z_loss * logsumexp(logits)^2`` per token) in the per-token loss, as
+            ``CausalLM``'s.
     """
-    from megatron.core.models.gpt import GPTModel
-
     tp = tf_config.tensor_model_parallel_size
     if config.vocab_size % tp:
         raise ValueError(
             f"vocab_size ({config.vocab_size}) must be divisible by tensor_model_parallel_size ({tp}): megatron "
             "splits the embedding and output layer by rows, and padding them would change the softmax"
         )
-    model = GPTModel(
+    model = forge_gpt_model_class()(
         config=tf_config,
         transformer_layer_spec=decoder_spec,
         vocab_size=config.vocab_size,
@@ -346,7 +349,68 @@ def build_gpt_model(
         rotaries = [layer.self_attention.rotary_pos_emb for layer in model.decoder.layers]
     for rotary in rotaries:
         rotary.inv_freq = rope_inv_freq(config.rope_head_dim, config.rope_theta, config.rope_scaling)
+    model.z_loss = z_loss
     return model
+
+
+@functools.cache
+def forge_gpt_model_class() -> type:
+    """megatron's ``GPTModel`` with two native behaviours (a function: megatron is imported on first use).
+
+    * **RoPE at** ``position_ids``: megatron's rotary embedding always covers positions ``0..s-1``; given
+      ``position_ids`` ``[b, s]`` (packed rows: restarting at every document, see
+      :func:`~forge_lightning.modules.layers.attention.document_positions`) the twin rotates each token by its own
+      position, from megatron's table of the same frequencies (``[s, b, 1, dim]``; under context parallelism this
+      rank's chunks of it, as megatron cuts its own). MLA rotates inside each layer: not covered (refused upstream).
+    * **z-loss**: ``z_loss * logsumexp(logits)^2`` added to every token's cross-entropy, the logsumexp taken over
+      the whole vocabulary across the TP ranks' shards (:func:`vocab_parallel_logsumexp`).
+    """
+    from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
+    from megatron.core.models.gpt import GPTModel
+
+    class ForgeGPTModel(GPTModel):
+        z_loss: float = 0.0
+
+        def _preprocess(
+            self, input_ids: Tensor, position_ids: Tensor | None, *args: Any, **kwargs: Any
+        ) -> tuple:
+            out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+            if position_ids is None or out[1] is None:  # default positions, or no model-level RoPE (MLA)
+                return out
+            rotary = self.rotary_pos_emb
+            table_PD = rotary.get_emb(int(position_ids.max()) + 1)[:, 0, 0]  # [positions, dim]
+            emb_SB1D = table_PD[position_ids.t()][:, :, None]
+            cp_group = rotary.cp_group
+            if cp_group is not None and cp_group.size() > 1:
+                emb_SB1D = get_pos_emb_on_this_cp_rank(emb_SB1D, 0, cp_group)
+            return (out[0], emb_SB1D, *out[2:])
+
+        def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
+            if not self.z_loss:
+                return super().compute_language_model_loss(labels, logits)
+            # Before megatron's cross-entropy, which works on fp32 logits in place.
+            lse_BS = vocab_parallel_logsumexp(logits).t()
+            return super().compute_language_model_loss(labels, logits) + self.z_loss * lse_BS.square()
+
+    return ForgeGPTModel
+
+
+def vocab_parallel_logsumexp(logits_SBV: Tensor) -> Tensor:
+    """``logsumexp`` ``[s, b]`` (fp32) over the whole vocabulary of logits split by vocabulary over the TP ranks.
+
+    Differentiable: the shards' sums of exponentials are all-reduced (backward: each rank's own gradient). Keeps
+    no reference to ``logits`` for backward, so megatron's cross-entropy may then overwrite them in place.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    x_SBV = logits_SBV.float()
+    max_SB = x_SBV.detach().amax(dim=-1)  # the shift cancels in the value and the gradient
+    if parallel_state.get_tensor_model_parallel_world_size() > 1:
+        group = parallel_state.get_tensor_model_parallel_group()
+        torch.distributed.all_reduce(max_SB, op=torch.distributed.ReduceOp.MAX, group=group)
+    sum_SB = reduce_from_tensor_model_parallel_region((x_SBV - max_SB[..., None]).exp().sum(dim=-1))
+    return max_SB + sum_SB.log()
 
 
 # ----------------------------------------------------------------------------------------------- weight rules

@@ -443,7 +443,8 @@ class Components:
         batch = next(data_iterator)
         if batch.get("document_ids") is not None:
             raise NotImplementedError(
-                "packed batches (document_ids) are not yet supported by MegatronStrategy"
+                "packed batches (document_ids) of a composed model (encoder -> projector -> LLM) are not yet "
+                "supported by MegatronStrategy: the merge changes the sequence, so the document ids would not match"
             )
         gpt = unwrap(model)
         with self._autocast(batch["input_ids"].device):

@@ -8,9 +8,9 @@ dispatcher, ``SequentialMLP`` experts, shared expert) and ``TransformerLayer`` a
 * :class:`MegatronRMSNorm`: forge's RMSNorm (fp32 statistics, as Hugging Face) whose weight is tagged
   ``sequence_parallel`` so megatron all-reduces its gradient over the TP group when the sequence is sharded;
 * :class:`SDPACoreAttention`: causal ``torch.nn.functional.scaled_dot_product_attention`` (flash / memory-efficient
-  kernels on CUDA, a math kernel on CPU); with context parallelism, forge's Ulysses (``cp_comm_type`` ``a2a``), ring
-  (``p2p``) or hybrid (``a2a+p2p``) attention over megatron's CP groups (megatron's own CP needs TransformerEngine's
-  attention).
+  kernels on CUDA, a math kernel on CPU; packed rows: within each document, the native ``DocumentMask``); with
+  context parallelism, forge's Ulysses (``cp_comm_type`` ``a2a``), ring (``p2p``) or hybrid (``a2a+p2p``) attention
+  over megatron's CP groups (megatron's own CP needs TransformerEngine's attention).
 
 Multi-latent attention (DeepSeek-V3) is megatron's ``MLASelfAttention`` with the same core attention, its query and
 key/value down projections replicated over the TP ranks (as in megatron's TE spec, see :func:`local_mla_spec`) and
@@ -51,6 +51,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import Tensor
 
+from forge_lightning.modules.layers.attention import DocumentMask
 from forge_lightning.modules.layers.mla import LATENT_NORM_EPS
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.strategies.context_parallel import (
@@ -161,12 +162,25 @@ class SDPACoreAttention(MegatronModule):
         packed_seq_params: Any = None,
     ) -> Tensor:
         """Attention output ``[s, b, heads * dim_v]`` of ``query`` ``[s, b, heads, dim]``, ``key``
-        ``[s, b, groups, dim]`` and ``value`` ``[s, b, groups, dim_v]`` (causal; ``attention_mask`` is ignored; ``s`` is
-        this rank's share under CP)."""
+        ``[s, b, groups, dim]`` and ``value`` ``[s, b, groups, dim_v]`` (``s`` is this rank's share under CP).
+
+        Causal; ``attention_mask``, when given, is the micro-batch's ``document_ids`` ``[b, S]`` of packed rows (the
+        whole sequence, see ``schedule.forward_step``): each token then attends causally within its document only,
+        through the native :class:`~forge_lightning.modules.layers.attention.DocumentMask` (its dense ``sdpa`` form).
+        Under Ulysses CP the mask applies after the all-to-all, on the whole sequence.
+        """
         if packed_seq_params is not None or attention_bias is not None:
-            raise NotImplementedError("packed sequences and attention bias are not yet supported")
+            raise NotImplementedError("megatron's packed_seq_params and attention bias are not yet supported")
         s, b, heads, _ = query.shape
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        documents = None
+        if attention_mask is not None:
+            if self.cp is not None and self.cp.comm_type != "a2a":
+                raise NotImplementedError(
+                    f"packed batches (document_ids) with cp_comm_type {self.cp.comm_type!r}: ring attention has no "
+                    "document mask; use cp_comm_type 'a2a' or unpacked data"
+                )
+            documents = DocumentMask.build(attention_mask, "sdpa")  # dense [b, 1, S, S]
         if self.cp is not None and self.cp.comm_type != "a2a":  # ring or hybrid: [b, h, s/P, D] in and out
             attend = ring_attention if self.cp.comm_type == "p2p" else hybrid_attention
             out_BHSD = attend(q_BHSD, k_BGSD, v_BGSD, self.cp, causal=True, scale=self.softmax_scale)
@@ -187,7 +201,8 @@ class SDPACoreAttention(MegatronModule):
             q_BHSD,
             k_BGSD,
             v_BGSD,
-            is_causal=True,
+            attn_mask=None if documents is None else documents.dense,
+            is_causal=documents is None,
             dropout_p=self.dropout if self.training else 0.0,
             scale=self.softmax_scale,
         )

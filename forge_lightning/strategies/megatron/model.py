@@ -88,8 +88,6 @@ def _llm_config_of(module: nn.Module) -> LLMConfig:
             f"MegatronStrategy builds the megatron-core twin of decoder LMs (a module with an LLMConfig `config` "
             f"and a `model`, e.g. CausalLM); {type(module).__name__} is not one"
         )
-    if getattr(module, "z_loss", 0.0):
-        raise NotImplementedError("z_loss is not yet supported by MegatronStrategy")
     if getattr(module, "lora_config", None) is not None:
         raise NotImplementedError("LoRA is not yet supported by MegatronStrategy")
     return config
@@ -169,6 +167,7 @@ def build_chunks(
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
+            z_loss=float(getattr(module, "z_loss", 0.0)),
         )
         chunks.append(chunk.to(device))
     pretrained = getattr(module, "pretrained", None)

@@ -33,14 +33,48 @@ def forward_step(ignore_index: int, data_iterator: Iterator[dict[str, Tensor]], 
         model: one model chunk.
     """
     batch = next(data_iterator)
-    if batch.get("document_ids") is not None:
-        raise NotImplementedError("packed batches (document_ids) are not yet supported by MegatronStrategy")
+    position_ids, document_ids = packed_inputs(batch, model)
     batch = shard_on_context_parallel_rank(batch)
     labels = batch["labels"]
     mask = labels != ignore_index
-    # Ignored positions get a valid class id; their loss is masked out below.
-    output = model(batch["input_ids"], None, None, labels=labels.masked_fill(~mask, 0))
+    # Ignored positions get a valid class id; their loss is masked out below. The document ids travel as the
+    # attention mask (a tensor: megatron's recompute saves it) to SDPACoreAttention.
+    output = model(batch["input_ids"], position_ids, document_ids, labels=labels.masked_fill(~mask, 0))
     return output, partial(masked_loss_sum, mask)
+
+
+def packed_inputs(batch: dict[str, Tensor], model: nn.Module) -> tuple[Tensor | None, Tensor | None]:
+    """``(position_ids, document_ids)`` ``[b, S]`` of a micro-batch for the twin, as the native model reads them.
+
+    A packed batch (``document_ids``) attends within each document, and its positions restart at every document
+    unless the batch gives ``position_ids`` (:func:`~forge_lightning.modules.layers.attention.document_positions`);
+    both stay whole under context parallelism (the twin cuts the rotary table to this rank's chunks, Ulysses
+    attention sees the whole sequence). ``(None, None)`` for an unpacked batch without ``position_ids``.
+
+    Raises:
+        NotImplementedError: a packed batch with a twin whose attention cannot take the document mask
+            (TransformerEngine's layer spec) or that rotates inside its layers (multi-latent attention).
+    """
+    from forge_lightning.modules.layers.attention import document_positions
+    from forge_lightning.modules.llm.megatron import unwrap
+    from forge_lightning.strategies.megatron.layer_spec import SDPACoreAttention
+
+    position_ids, document_ids = batch.get("position_ids"), batch.get("document_ids")
+    if document_ids is None:
+        return position_ids, None
+    gpt = unwrap(model)
+    if gpt.config.multi_latent_attention:
+        raise NotImplementedError(
+            "packed batches (document_ids) with multi-latent attention (DeepSeek-V3) are not yet supported by "
+            "MegatronStrategy: megatron's MLA rotates queries and keys at positions 0..s-1 inside each layer"
+        )
+    core = gpt.decoder.layers[0].self_attention.core_attention if len(gpt.decoder.layers) else None
+    if core is not None and not isinstance(core, SDPACoreAttention):
+        raise NotImplementedError(
+            f"packed batches (document_ids) need the twin's SDPA core attention, got {type(core).__name__} "
+            "(TransformerEngine's layer spec): set use_transformer_engine: false"
+        )
+    return (document_positions(document_ids) if position_ids is None else position_ids), document_ids
 
 
 def shard_on_context_parallel_rank(batch: dict[str, Tensor]) -> dict[str, Tensor]:
