@@ -46,17 +46,18 @@ GPU machine (one H200, Python 3.12, torch 2.11, no network): install av 15.1.0 (
 0.6.1 with its pure-Python dependencies, and what lerobot's dataset code imports (pandas and pyarrow too if the
 machine lacks them: ``--preflight`` lists what each interpreter misses)::
 
-    bash .gpu/wheels.sh av==15.1.0 lerobot==0.6.1 draccus==0.11.6 mergedeep pyyaml-include toml termcolor \\
+    pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_28_x86_64 \\
+        -d wheels av==15.1.0 lerobot==0.6.1 draccus==0.11.6 mergedeep pyyaml-include toml termcolor \\
         gymnasium farama-notifications einops datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 xxhash
-    # on the GPU machine (with .whl and .gpu), one command each:
-    . .gpu/install.sh && python benchmarks/vla_throughput.py --preflight
-    . .gpu/install.sh && python benchmarks/make_vla_dataset.py --output data/vla_bench
-    . .gpu/install.sh && python benchmarks/vla_throughput.py --paths forge forge-bf16 --log-dir $OUT
-    . .gpu/install.sh && python benchmarks/vla_throughput.py --log-dir $OUT \\
+    # on the GPU machine: pip install --no-deps wheels/*.whl, then one command each:
+    python benchmarks/vla_throughput.py --preflight
+    python benchmarks/make_vla_dataset.py --output data/vla_bench
+    python benchmarks/vla_throughput.py --paths forge forge-bf16 --log-dir logs
+    python benchmarks/vla_throughput.py --log-dir logs \\
         --paths lerobot-ckpt lerobot-autocast lerobot-bf16
-    . .gpu/install.sh && python benchmarks/vla_throughput.py --loss-steps 200 --paths forge --log-dir $OUT
-    . .gpu/install.sh && python benchmarks/vla_throughput.py --loss-steps 200 --paths lerobot-ckpt \\
-        --log-dir $OUT
+    python benchmarks/vla_throughput.py --loss-steps 200 --paths forge --log-dir logs
+    python benchmarks/vla_throughput.py --loss-steps 200 --paths lerobot-ckpt \\
+        --log-dir logs
 
 Rows of paths a command does not run are kept from the JSON of an earlier command with the same settings, so
 the paths can be split over commands as above. Prints one table last; writes
