@@ -263,8 +263,9 @@ def _loss_fields(losses: list[float], indices: list[Any] | None) -> dict[str, An
 
 
 # ----- our side ---------------------------------------------------------------------------------------------
-def _step_timer(warmup: int, cuda: bool, record_order: bool) -> Any:
-    """A Lightning callback timing steps ``warmup + 1 ...``, keeping every step's loss (and frame indices)."""
+def _step_timer(warmup: int, cuda: bool, record_order: bool, profile_steps: int = 0) -> Any:
+    """A Lightning callback timing steps ``warmup + 1 ...``, keeping every step's loss (and frame indices); with
+    ``profile_steps``, ``torch.profiler`` records the first that many timed steps (see :func:`_profile_summary`)."""
     import torch
     from lightning.pytorch import Callback
 
@@ -272,6 +273,8 @@ def _step_timer(warmup: int, cuda: bool, record_order: bool) -> Any:
         def __init__(self) -> None:
             self.start = self.end = self.last_end = None
             self.wait, self.losses, self.indices = 0.0, [], []
+            self.profiler: Any = None
+            self.profile: dict[str, Any] | None = None
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if self.last_end is not None and trainer.global_step >= warmup:
@@ -292,9 +295,51 @@ def _step_timer(warmup: int, cuda: bool, record_order: bool) -> Any:
                         torch.cuda.reset_peak_memory_stats()
                 else:
                     self.end = time.perf_counter()
+            if profile_steps and trainer.global_step == warmup:
+                self.profiler = torch.profiler.profile(activities=_profiler_activities(cuda))
+                self.profiler.__enter__()
+                self._profile_start = time.perf_counter()
+            elif self.profiler is not None and trainer.global_step == warmup + profile_steps:
+                if cuda:
+                    torch.cuda.synchronize()
+                wall = time.perf_counter() - self._profile_start
+                self.profiler.__exit__(None, None, None)
+                self.profile = _profile_summary(self.profiler, profile_steps, wall, cuda)
+                self.profiler = None
             self.last_end = time.perf_counter()
 
     return StepTimer()
+
+
+def _profiler_activities(cuda: bool) -> list[Any]:
+    from torch.profiler import ProfilerActivity
+
+    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+
+
+def _profile_summary(profiler: Any, steps: int, wall_s: float, cuda: bool) -> dict[str, Any]:
+    """Per step: the wall time, the GPU kernel time by kind (``profile_llm.py``'s buckets) and the time the GPU ran
+    no kernel. On a CPU (script check only) the buckets hold the operators' self CPU time instead."""
+    from profile_llm import _bucket
+    from torch.autograd import DeviceType
+
+    kernels: dict[str, float] = {}
+    for event in profiler.events():
+        on_device = event.device_type == DeviceType.CUDA
+        if on_device != cuda or (not cuda and event.self_cpu_time_total <= 0):
+            continue
+        us = event.time_range.elapsed_us() if cuda else event.self_cpu_time_total
+        kind = _bucket(event.name)
+        kernels[kind] = kernels.get(kind, 0.0) + us / 1e3 / steps
+    step_ms = 1e3 * wall_s / steps
+    busy = sum(kernels.values())
+    return {
+        "steps": steps,
+        "step_ms": step_ms,
+        "busy_ms": busy,
+        "idle_ms": max(0.0, step_ms - busy),
+        "ms": kernels,
+    }
 
 
 def _forge_policy(args: argparse.Namespace, path: str, steps: int) -> Any:
@@ -351,7 +396,8 @@ def run_forge(args: argparse.Namespace, path: str) -> dict[str, Any]:
     start = time.perf_counter()
     policy = _forge_policy(args, path, steps)
     build_s = time.perf_counter() - start
-    timer = _step_timer(_warmup(args), cuda, record_order=bool(args.loss_steps))
+    profile_steps = min(args.profile, steps - _warmup(args)) if not args.loss_steps else 0
+    timer = _step_timer(_warmup(args), cuda, record_order=bool(args.loss_steps), profile_steps=profile_steps)
     trainer = Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
@@ -372,6 +418,8 @@ def run_forge(args: argparse.Namespace, path: str) -> dict[str, Any]:
     result |= {"batch": batch, "video_backend": backend, "workers": args.workers, "timed_steps": timed}
     if args.loss_steps:
         result |= _loss_fields([float(x) for x in timer.losses], timer.indices)
+    if timer.profile is not None:
+        result["profile"] = timer.profile
     return result
 
 
@@ -860,6 +908,13 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--preflight", action="store_true", help="list what each interpreter lacks, then stop"
     )
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="our paths: profile this many timed steps (GPU kernel time by kind, GPU idle time); the speed "
+        "columns of a profiled run include the profiler's overhead",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     return parser
 
@@ -914,6 +969,12 @@ def main() -> None:
 
     flops = Pi05Config.from_preset(args.preset).training_flops_per_sample(len(CAMERAS))
     print(f"model FLOPs per sample (forward + backward): {flops / 1e12:.2f} TFLOP")
+    for path, row in rows.items():
+        if "profile" in row:
+            p = row["profile"]
+            kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["ms"].items(), key=lambda kv: -kv[1]))
+            print(f"profile {path} ({p['steps']} steps, ms per step): wall {p['step_ms']:.1f}, busy "
+                  f"{p['busy_ms']:.1f}, idle {p['idle_ms']:.1f}; {kinds}")  # fmt: skip
     print(table(rows, args.loss_reference if args.loss_steps else None, flops))
     for line in _summary(rows, bool(args.loss_steps)):
         print(line)
