@@ -283,6 +283,21 @@ def child(args) -> None:
 
 
 # ----- parent: one torchrun per (path, GPU count) --------------------------------------------------------
+def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
+    """Output of a launch started with ``start_new_session=True``; past ``timeout`` its whole group is stopped."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun stops its ranks (each in a session of its own) on SIGTERM; SIGKILL what is left after that.
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            stdout, stderr = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        return stdout, stderr + f"\nERROR launch killed after {timeout:.0f} s (--launch-timeout)"
+
+
 def _launch(args, spec: str, gpus: int) -> dict:
     path, batch = split_path(spec)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
@@ -292,17 +307,7 @@ def _launch(args, spec: str, gpus: int) -> dict:
     proc = subprocess.Popen(
         cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
     )
-    try:
-        stdout, stderr = proc.communicate(timeout=args.launch_timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun stops its ranks (each in a session of its own) on SIGTERM; SIGKILL what is left after that.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        stderr += f"\nERROR launch killed after {args.launch_timeout:.0f} s (--launch-timeout)"
+    stdout, stderr = communicate(proc, args.launch_timeout)
     if args.log_dir:
         log = Path(args.log_dir) / f"fsdp_{spec.replace('@', '_mb')}_{gpus}gpu.log"
         log.write_text(stdout + stderr)

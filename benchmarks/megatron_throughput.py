@@ -52,7 +52,6 @@ import dataclasses
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -546,20 +545,6 @@ def _child_env(args, gpus: int) -> dict:
     return env
 
 
-def _communicate(args, proc) -> tuple[str, str]:
-    try:
-        return proc.communicate(timeout=args.launch_timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun stops its ranks (each in a session of its own) on SIGTERM; SIGKILL what is left after that.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        return stdout, stderr + f"\nERROR launch killed after {args.launch_timeout:.0f} s (--launch-timeout)"
-
-
 def _launch(args, spec: str) -> dict:
     path, layout_text, layout, batch = split_spec(spec)
     batch = batch or args.batch
@@ -574,7 +559,7 @@ def _launch(args, spec: str) -> dict:
         env=_child_env(args, layout.gpus),
         start_new_session=True,
     )
-    stdout, stderr = _communicate(args, proc)
+    stdout, stderr = fsdp.communicate(proc, args.launch_timeout)
     launch_s = time.perf_counter() - started
     if args.log_dir:
         (Path(args.log_dir) / f"megatron_{path}_{layout_text}_mb{batch}.log").write_text(stdout + stderr)

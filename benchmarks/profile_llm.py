@@ -26,7 +26,8 @@ MATMUL_CEILING_TFLOPS = 798.0  # bf16 torch.matmul measured on this H200
 BUCKETS = ("attention", "gemm", "norm/rope/act", "loss", "optimizer", "other")
 
 
-def _bucket(kernel: str) -> str:
+def kernel_bucket(kernel: str) -> str:
+    """The step-time bucket a CUDA kernel belongs to, from its name (see :data:`BUCKETS`)."""
     lowered = kernel.lower()
     if "adam" in lowered or "multi_tensor" in lowered:
         return "optimizer"
@@ -54,7 +55,7 @@ def _kernel_ms(fn, repeats: int) -> dict[str, float]:
     totals: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == DeviceType.CUDA:
-            totals[_bucket(event.name)] += event.time_range.elapsed_us() / 1e3 / repeats
+            totals[kernel_bucket(event.name)] += event.time_range.elapsed_us() / 1e3 / repeats
     return dict(totals)
 
 

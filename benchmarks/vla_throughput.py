@@ -320,7 +320,7 @@ def _profiler_activities(cuda: bool) -> list[Any]:
 def _profile_summary(profiler: Any, steps: int, wall_s: float, cuda: bool) -> dict[str, Any]:
     """Per step: the wall time, the GPU kernel time by kind (``profile_llm.py``'s buckets) and the time the GPU ran
     no kernel. On a CPU (script check only) the buckets hold the operators' self CPU time instead."""
-    from profile_llm import _bucket
+    from profile_llm import kernel_bucket
     from torch.autograd import DeviceType
 
     kernels: dict[str, float] = {}
@@ -329,7 +329,7 @@ def _profile_summary(profiler: Any, steps: int, wall_s: float, cuda: bool) -> di
         if on_device != cuda or (not cuda and event.self_cpu_time_total <= 0):
             continue
         us = event.time_range.elapsed_us() if cuda else event.self_cpu_time_total
-        kind = _bucket(event.name)
+        kind = kernel_bucket(event.name)
         kernels[kind] = kernels.get(kind, 0.0) + us / 1e3 / steps
     step_ms = 1e3 * wall_s / steps
     busy = sum(kernels.values())

@@ -13,7 +13,6 @@ and its seconds.
 
 import faulthandler
 import json
-import multiprocessing
 import os
 import sys
 import time
@@ -23,6 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cuda_shim
+from worker_exit import exit_worker
 
 cuda_shim.install()
 
@@ -58,14 +58,7 @@ def main(plan_file: Path) -> None:
         Path(f"results_{os.environ['WORLD_SIZE']}.json").write_text(json.dumps(results, indent=2))
     if dist.is_initialized():
         dist.barrier()
-    # megatron-core's checkpoint writer keeps a multiprocessing manager (a child process) for its write results;
-    # os._exit skips the exit hooks that would stop it, so stop it here.
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(5)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # results are written: skip the group's and the interpreter's teardown (gloo can abort in it)
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -16,7 +16,6 @@ writes ``OUT_DIR/ckpt_CASE/epoch=0-step=3.ckpt`` and ``OUT_DIR/CASE_export.pt`` 
 """
 
 import faulthandler
-import multiprocessing
 import os
 import sys
 from pathlib import Path
@@ -24,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cuda_shim
+from worker_exit import exit_worker
 
 cuda_shim.install()
 
@@ -221,14 +221,7 @@ def main(out: Path, names: list[str]) -> None:
     for name in names:
         run_case(out, name)
     dist.barrier()
-    # megatron-core's checkpoint writer keeps a multiprocessing manager (a child process) for its write results;
-    # os._exit skips the exit hooks that would stop it, so stop it here.
-    for child in multiprocessing.active_children():
-        child.terminate()
-        child.join(5)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # results are written: skip the group's and the interpreter's teardown (gloo can abort in it)
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -77,9 +77,8 @@ def main(out: Path, layouts: list[str], names: list[str]) -> None:
                 continue
             chunks = build_twin(native_model(config), **degrees)
             layers = unwrap(chunks[0]).decoder.layers
-            cps = [
-                layer.self_attention.core_attention.cp for layer in layers
-            ]  # the chosen CP attention is on
+            # the chosen CP attention is on
+            cps = [layer.self_attention.core_attention.cp for layer in layers]
             assert all(cp.size == degrees["context_parallel_size"] for cp in cps)
             assert all(cp.comm_type == degrees.get("cp_comm_type", "a2a") for cp in cps)
             run = megatron_run(chunks, config, micro_batches(config, 2))

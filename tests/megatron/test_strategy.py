@@ -254,51 +254,33 @@ def packed_args(tiny_corpus, tmp_path_factory):
     )
 
 
-def test_packed_documents_and_z_loss_match_one_process_at_tp2_sequence_parallel(runner, packed_args):
-    """Packed rows (``document_ids``, positions restarting per document) at TP = 2 with sequence parallelism; the
-    z-loss's logsumexp over the vocabulary split over the TP ranks (``train/loss`` includes it, as natively)."""
+PACKED_LAYOUTS = {
+    # TP = 2 + SP: the z-loss's logsumexp over the vocabulary split over the TP ranks.
+    "packed_tp2_sp": (
+        [
+            "--trainer.strategy.tensor_model_parallel_size",
+            "2",
+            "--trainer.strategy.sequence_parallel",
+            "true",
+        ],
+        4,
+    ),
+    "packed_pp2": (
+        ["--trainer.strategy.pipeline_model_parallel_size", "2", "--trainer.accumulate_grad_batches", "2"],
+        2,
+    ),
+    # Ulysses CP = 2: each rank holds half of every row; the document mask applies after the all-to-all.
+    "packed_cp2": (["--trainer.strategy.context_parallel_size", "2"], 4),
+}
+
+
+@pytest.mark.parametrize("name", PACKED_LAYOUTS)
+def test_packed_documents_and_z_loss_match_one_process(runner, packed_args, name):
+    """Packed rows (``document_ids``, positions restarting per document) with the z-loss (``train/loss`` includes
+    it, as natively) against the default strategy on one process."""
     reference = runner("packed_reference", *packed_args, devices=1, batch=4)
-    rows = runner(
-        "packed_tp2_sp",
-        *packed_args,
-        "--trainer.strategy",
-        STRATEGY,
-        "--trainer.strategy.tensor_model_parallel_size",
-        "2",
-        "--trainer.strategy.sequence_parallel",
-        "true",
-        batch=4,
-    )
-    _assert_same_losses(rows, reference)
-
-
-def test_packed_documents_and_z_loss_match_one_process_at_pp2(runner, packed_args):
-    reference = runner("packed_reference", *packed_args, devices=1, batch=4)
-    rows = runner(
-        "packed_pp2",
-        *packed_args,
-        "--trainer.strategy",
-        STRATEGY,
-        "--trainer.strategy.pipeline_model_parallel_size",
-        "2",
-        "--trainer.accumulate_grad_batches",
-        "2",
-    )
-    _assert_same_losses(rows, reference)
-
-
-def test_packed_documents_and_z_loss_match_one_process_at_ulysses_cp2(runner, packed_args):
-    """Ulysses CP = 2: each rank holds half of every row; the document mask applies after the all-to-all."""
-    reference = runner("packed_reference", *packed_args, devices=1, batch=4)
-    rows = runner(
-        "packed_cp2",
-        *packed_args,
-        "--trainer.strategy",
-        STRATEGY,
-        "--trainer.strategy.context_parallel_size",
-        "2",
-        batch=4,
-    )
+    layout, batch = PACKED_LAYOUTS[name]
+    rows = runner(name, *packed_args, "--trainer.strategy", STRATEGY, *layout, batch=batch)
     _assert_same_losses(rows, reference)
 
 
