@@ -43,9 +43,8 @@ def main(out: Path, names: list[str]) -> None:
         )
         for name in names:
             config = moe_config(name)
-            batches = micro_batches(
-                config, 2
-            )  # the global batch: one micro-batch per DP rank, or both on one
+            # the global batch: one micro-batch per DP rank, or both on one
+            batches = micro_batches(config, 2)
             chunks = build_twin(native_model(config), **degrees)
             run = megatron_run(chunks, config, batches[dp_rank::dp_size])
             dist.all_reduce(run["sums"], group=parallel_state.get_data_parallel_group())
