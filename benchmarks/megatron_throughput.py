@@ -59,6 +59,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fsdp_throughput (and its llm_throughput import)
 import fsdp_throughput as fsdp
+import step_profile
 
 PEAK_TFLOPS = fsdp.PEAK_TFLOPS
 _OVERLAP = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True}
@@ -254,6 +255,7 @@ def _run_forge_megatron(args, layout: Layout, options: dict, config, tokens) -> 
         **options,
     )
     timer = fsdp._StepTimer(args.warmup, torch.device(args.device))
+    profiler = _profiler(args)
     load = _ExpertLoad() if config.moe is not None else None
     summary: dict = {}
     losses = []
@@ -262,6 +264,7 @@ def _run_forge_megatron(args, layout: Layout, options: dict, config, tokens) -> 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(outputs["loss"].detach())
             timer.after_step(batch_idx)
+            profiler.after_step(batch_idx + 1)
             if load is not None and batch_idx == 0:
                 load.after_first_step()
 
@@ -284,7 +287,14 @@ def _run_forge_megatron(args, layout: Layout, options: dict, config, tokens) -> 
         use_distributed_sampler=False,  # each data-parallel rank brings its own tokens (TP ranks the same ones)
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    return {"elapsed": timer.end - timer.start, "steps": timer.steps, "losses": losses, **summary}
+    out = {"elapsed": timer.end - timer.start, "steps": timer.steps, "losses": losses, **summary}
+    return out | ({"profile": profiler.summary} if profiler.summary else {})
+
+
+def _profiler(args) -> step_profile.StepProfiler:
+    """Records ``--profile`` timed steps on rank 0 (the timed steps after it include the profiler's overhead)."""
+    steps = args.profile if int(os.environ.get("RANK", "0")) == 0 else 0
+    return step_profile.StepProfiler(args.warmup, min(steps, args.steps), args.device == "cuda")
 
 
 def _native_module(config, args):
@@ -424,6 +434,7 @@ def _run_megatron_local(args, layout: Layout, options: dict, config, tokens) -> 
     model, optimizer = _local_model_and_optimizer(config, layout, options, args, device)
     forward_backward = get_forward_backward_func()
     timer = fsdp._StepTimer(args.warmup, device)
+    profiler = _profiler(args)
     losses = []
     for step, t in enumerate(tokens):
         t = t.to(device)
@@ -441,8 +452,10 @@ def _run_megatron_local(args, layout: Layout, options: dict, config, tokens) -> 
         optimizer.step()
         losses += [r["loss"] for r in reduced]  # this rank's micro-batch
         timer.after_step(step)
+        profiler.after_step(step + 1)
     parallel_state.destroy_model_parallel()
-    return {"elapsed": timer.end - timer.start, "steps": timer.steps, "losses": losses}
+    out = {"elapsed": timer.end - timer.start, "steps": timer.steps, "losses": losses}
+    return out | ({"profile": profiler.summary} if profiler.summary else {})
 
 
 def _run_fsdp2(args, layout: Layout, options: dict, config, tokens) -> dict:
@@ -667,6 +680,14 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/...)")
     parser.add_argument("--log-dir", default=None, help="write each launch's full output here")
     parser.add_argument("--launch-timeout", type=float, default=300, help="seconds before a launch is killed")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="forge-megatron and megatron-local paths: profile this many timed steps on rank 0 (GPU kernel time "
+        "by kind, GPU idle time and what the GPU waited for); the speed columns then include the profiler's "
+        "overhead",
+    )
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--layout", default="1", help=argparse.SUPPRESS)
     return parser
@@ -693,6 +714,12 @@ def _report(metas: list[dict], results: list[dict]) -> None:
         print(line)
     for model, text in {k: v for m in metas for k, v in m["models"].items()}.items():
         print(f"{model}: {text}")
+    for r in results:
+        if r.get("profile"):
+            print(
+                f"profile {r['path']}:{r['layout']}@{r['batch']}: "
+                + "\n".join(step_profile.describe(r["profile"]))
+            )
     print(_table(results))
 
 

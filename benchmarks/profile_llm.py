@@ -21,25 +21,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from llm_throughput import FORGE_PATHS, _build_forge, _random_batches
+from step_profile import BUCKETS, kernel_bucket
 
 MATMUL_CEILING_TFLOPS = 798.0  # bf16 torch.matmul measured on this H200
-BUCKETS = ("attention", "gemm", "norm/rope/act", "loss", "optimizer", "other")
-
-
-def kernel_bucket(kernel: str) -> str:
-    """The step-time bucket a CUDA kernel belongs to, from its name (see :data:`BUCKETS`)."""
-    lowered = kernel.lower()
-    if "adam" in lowered or "multi_tensor" in lowered:
-        return "optimizer"
-    if any(key in lowered for key in ("flash", "fmha", "sdpa", "attention", "cudnn")):
-        return "attention"
-    if any(key in lowered for key in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "scaled_mm")):
-        return "gemm"
-    if kernel.startswith(("triton_", "_rms", "_rope", "_swiglu")):
-        return "norm/rope/act"
-    if kernel.startswith("_ce_"):
-        return "loss"
-    return "other"
 
 
 def _kernel_ms(fn, repeats: int) -> dict[str, float]:
@@ -54,7 +38,7 @@ def _kernel_ms(fn, repeats: int) -> dict[str, float]:
         torch.cuda.synchronize()
     totals: dict[str, float] = defaultdict(float)
     for event in prof.events():
-        if event.device_type == DeviceType.CUDA:
+        if event.device_type == DeviceType.CUDA and not event.is_user_annotation:
             totals[kernel_bucket(event.name)] += event.time_range.elapsed_us() / 1e3 / repeats
     return dict(totals)
 

@@ -1,18 +1,21 @@
 """Pi0.5 training throughput on one GPU: our Pi05Policy vs lerobot's PI05Policy, side by side in one run.
 
 Both sides train end to end from the same LeRobot v3.0 dataset on local disk (two 224x224 cameras decoded from
-mp4 in DataLoader workers, 50-action chunks, prompts padded to 200 tokens) at Pi0.5's sizes (ours 3.35 B
+mp4 in DataLoader workers, 50-action chunks, prompts of at most 200 tokens) at Pi0.5's sizes (ours 3.35 B
 parameters; lerobot's 4.14 B include two output heads Pi0.5 never uses; the table checks they match), each
 path in its own child process on the same GPU, timed after warm-up. Paths:
 
 - ``forge``: ``Pi05Policy`` (``pi05-base``, random init) trained by Lightning with ``precision: bf16-mixed``
   (fp32 master weights, gradients and AdamW state; bf16 autocast) and ``LeRobotDataModule`` (worker processes,
   pinned memory, Lightning's host-to-device copy); the ``performance`` defaults on CUDA (compiled blocks,
-  cuDNN attention first, fused AdamW) plus selective activation checkpointing (matmul and attention outputs
-  kept, norms and activations recomputed: no matmul runs twice), which the activation memory needs
-  (docs/benchmarks.md).
-- ``forge-noac``: ``forge`` without activation checkpointing (faster where it fits).
-- ``forge-eager``: ``forge`` without ``torch.compile``.
+  cuDNN attention first, fused AdamW), no activation checkpointing. Prompts are padded to the batch's longest
+  (rounded up to 32 tokens), our default; lerobot pads them to 200 (``tokenizer_max_length``). Padding is
+  masked, so both give the same results; trimmed prompts also leave room for the activations at batch 32.
+- ``forge-sac``: ``forge`` with selective activation checkpointing (matmul and attention outputs kept, norms
+  and activations recomputed: no matmul runs twice), for GPUs with less memory.
+- ``forge-maxpad``: ``forge-sac`` with prompts padded to 200 tokens as lerobot does (``prompt_padding:
+  max_length``): the same work per sample as lerobot's paths.
+- ``forge-eager``: ``forge-sac`` without ``torch.compile``.
 - ``forge-bf16``: bf16 weights and AdamW state under bf16 autocast, like ``lerobot-bf16``.
 - ``lerobot-ckpt``: lerobot 0.6.1's usual setting, fp32 weights + bf16 autocast + gradient checkpointing.
 - ``lerobot-autocast``: fp32 weights + bf16 autocast at half the batch (batch 32 does not fit on one H200).
@@ -70,7 +73,7 @@ CPU dry run at tiny size (``debug`` preset; the lerobot paths need a Python 3.12
         --state-dim 8 --action-dim 6
     python benchmarks/vla_throughput.py --device cpu --preset debug --data data/vla_tiny --batch 2 \\
         --warmup 2 --steps 3 --workers 1 --lerobot-workers 1 --lerobot-python "PY312" \\
-        --paths forge forge-noac forge-eager forge-bf16 lerobot-ckpt lerobot-autocast lerobot-bf16
+        --paths forge forge-sac forge-maxpad forge-eager forge-bf16 lerobot-ckpt lerobot-autocast lerobot-bf16
     python benchmarks/vla_throughput.py --device cpu --preset debug --data data/vla_tiny --batch 2 \\
         --warmup 2 --loss-steps 25 --workers 1 --lerobot-workers 1 --lerobot-python "PY312" \\
         --paths forge forge-bf16 lerobot-ckpt lerobot-bf16
@@ -98,8 +101,14 @@ NORMALIZATION = {"observation.state": "quantiles", "action": "quantiles"}
 OPTIMIZER = {"lr": 2.5e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
 GRAD_CLIP = 1.0
 FORGE_PATHS: dict[str, dict[str, Any]] = {
-    "forge": {"precision": "bf16-mixed", "performance": {"activation_checkpointing": "selective"}},
-    "forge-noac": {"precision": "bf16-mixed", "performance": {}},
+    # No activation checkpointing: with prompts trimmed to the batch's longest, batch 32 fits (~122 GB).
+    "forge": {"precision": "bf16-mixed", "performance": {}},
+    "forge-sac": {"precision": "bf16-mixed", "performance": {"activation_checkpointing": "selective"}},
+    "forge-maxpad": {
+        "precision": "bf16-mixed",
+        "performance": {"activation_checkpointing": "selective"},
+        "config": {"prompt_padding": "max_length"},
+    },
     "forge-eager": {
         "precision": "bf16-mixed",
         "performance": {"compile": False, "activation_checkpointing": "selective"},
@@ -135,10 +144,12 @@ def _setting(path: str, device: str) -> str:
             else "eager"
         )
         masters = "bf16 weights + bf16 autocast" if spec.get("weights") else "fp32 masters + bf16 autocast"
-        return f"{masters}, {compiled}, AC {perf['activation_checkpointing']}"
+        padding = spec.get("config", {}).get("prompt_padding", "longest")
+        prompt = "full-length prompts" if padding == "max_length" else "prompts trimmed to the longest"
+        return f"{masters}, {compiled}, AC {perf['activation_checkpointing']}, {prompt}"
     spec = LEROBOT_PATHS[path]
     weights = "fp32 weights" if spec["dtype"] == "float32" else "bf16 weights"
-    return f"{weights} + bf16 autocast{', grad. ckpt' if spec['checkpointing'] else ''}"
+    return f"{weights} + bf16 autocast{', grad. ckpt' if spec['checkpointing'] else ''}, full-length prompts"
 
 
 def _batch(args: argparse.Namespace, path: str) -> int:
@@ -265,20 +276,21 @@ def _loss_fields(losses: list[float], indices: list[Any] | None) -> dict[str, An
 # ----- our side ---------------------------------------------------------------------------------------------
 def _step_timer(warmup: int, cuda: bool, record_order: bool, profile_steps: int = 0) -> Any:
     """A Lightning callback timing steps ``warmup + 1 ...``, keeping every step's loss (and frame indices); with
-    ``profile_steps``, ``torch.profiler`` records the first that many timed steps (see :func:`_profile_summary`)."""
+    ``profile_steps``, ``torch.profiler`` records the first that many timed steps (``step_profile.py``)."""
     import torch
     from lightning.pytorch import Callback
+    from step_profile import StepProfiler
 
     class StepTimer(Callback):
         def __init__(self) -> None:
             self.start = self.end = self.last_end = None
-            self.wait, self.losses, self.indices = 0.0, [], []
-            self.profiler: Any = None
-            self.profile: dict[str, Any] | None = None
+            self.wait, self.losses, self.indices, self.prompt_widths = 0.0, [], [], []
+            self.profiler = StepProfiler(warmup, profile_steps, cuda)
 
         def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any, batch_idx: int) -> None:
             if self.last_end is not None and trainer.global_step >= warmup:
                 self.wait += time.perf_counter() - self.last_end  # loader + host-to-device copy
+                self.prompt_widths.append(batch["prompt.tokens"].shape[1])
             if record_order:
                 self.indices.append(batch["index"])
 
@@ -295,51 +307,10 @@ def _step_timer(warmup: int, cuda: bool, record_order: bool, profile_steps: int 
                         torch.cuda.reset_peak_memory_stats()
                 else:
                     self.end = time.perf_counter()
-            if profile_steps and trainer.global_step == warmup:
-                self.profiler = torch.profiler.profile(activities=_profiler_activities(cuda))
-                self.profiler.__enter__()
-                self._profile_start = time.perf_counter()
-            elif self.profiler is not None and trainer.global_step == warmup + profile_steps:
-                if cuda:
-                    torch.cuda.synchronize()
-                wall = time.perf_counter() - self._profile_start
-                self.profiler.__exit__(None, None, None)
-                self.profile = _profile_summary(self.profiler, profile_steps, wall, cuda)
-                self.profiler = None
+            self.profiler.after_step(trainer.global_step)
             self.last_end = time.perf_counter()
 
     return StepTimer()
-
-
-def _profiler_activities(cuda: bool) -> list[Any]:
-    from torch.profiler import ProfilerActivity
-
-    return [ProfilerActivity.CPU, ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
-
-
-def _profile_summary(profiler: Any, steps: int, wall_s: float, cuda: bool) -> dict[str, Any]:
-    """Per step: the wall time, the GPU kernel time by kind (``profile_llm.py``'s buckets) and the time the GPU ran
-    no kernel. On a CPU (script check only) the buckets hold the operators' self CPU time instead."""
-    from profile_llm import kernel_bucket
-    from torch.autograd import DeviceType
-
-    kernels: dict[str, float] = {}
-    for event in profiler.events():
-        on_device = event.device_type == DeviceType.CUDA
-        if on_device != cuda or (not cuda and event.self_cpu_time_total <= 0):
-            continue
-        us = event.time_range.elapsed_us() if cuda else event.self_cpu_time_total
-        kind = kernel_bucket(event.name)
-        kernels[kind] = kernels.get(kind, 0.0) + us / 1e3 / steps
-    step_ms = 1e3 * wall_s / steps
-    busy = sum(kernels.values())
-    return {
-        "steps": steps,
-        "step_ms": step_ms,
-        "busy_ms": busy,
-        "idle_ms": max(0.0, step_ms - busy),
-        "ms": kernels,
-    }
 
 
 def _forge_policy(args: argparse.Namespace, path: str, steps: int) -> Any:
@@ -347,13 +318,16 @@ def _forge_policy(args: argparse.Namespace, path: str, steps: int) -> Any:
     import torch
 
     from forge_lightning.modules.embodied import Pi05Policy
+    from forge_lightning.modules.embodied.config import Pi05Config
 
     data = Path(args.data)
     pretrained = str(_work_file(args, "init")) if args.loss_steps else None
+    overrides = FORGE_PATHS[path].get("config", {})
+    config = Pi05Config.from_preset(args.preset, **overrides).to_dict() if overrides else args.preset
     # Built on the training device (start-up only: the same parameters, initialised there).
     with torch.device(args.device):
         policy = Pi05Policy(
-            args.preset,
+            config,
             pretrained=pretrained,
             tokenizer=str(data / "tokenizer"),
             image_keys=list(CAMERAS),
@@ -416,10 +390,11 @@ def run_forge(args: argparse.Namespace, path: str) -> dict[str, Any]:
     result = _measured(batch, timed, timer.end - timer.start, timer.wait, _peak_bytes(cuda))
     result |= {"params": sum(p.numel() for p in policy.model.parameters()), "build_s": build_s}
     result |= {"batch": batch, "video_backend": backend, "workers": args.workers, "timed_steps": timed}
+    result["prompt_tokens"] = sum(timer.prompt_widths) / max(1, len(timer.prompt_widths))
     if args.loss_steps:
         result |= _loss_fields([float(x) for x in timer.losses], timer.indices)
-    if timer.profile is not None:
-        result["profile"] = timer.profile
+    if timer.profiler.summary is not None:
+        result["profile"] = timer.profiler.summary
     return result
 
 
@@ -712,6 +687,7 @@ def run_lerobot(args: argparse.Namespace, path: str) -> dict[str, Any]:
         "video_backend": cfg.dataset.video_backend,
         "workers": cfg.num_workers,
         "timed_steps": steps - warmup,
+        "prompt_tokens": cfg.policy.tokenizer_max_length,  # lerobot pads every prompt to it
     }
     if args.loss_steps:
         result |= _loss_fields(losses, indices)
@@ -777,14 +753,17 @@ def _loss_columns(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
     return f" {row['first_loss']:.4f} | {row['last20_mean_loss']:.4f} | {delta} |"
 
 
-def table(rows: dict[str, dict[str, Any]], loss_reference: str | None, flops_per_sample: float) -> str:
+def table(
+    rows: dict[str, dict[str, Any]], loss_reference: str | None, flops_per_sample: Callable[[float], float]
+) -> str:
     """The markdown table: one row per path, samples/s ratios against every lerobot row.
 
-    TFLOP/s and MFU (of 989 TFLOP/s, H100 / H200 dense bf16) count the same model FLOPs per sample on both
-    sides (``Pi05Config.training_flops_per_sample``): recomputation by checkpointing is not counted.
+    TFLOP/s and MFU (of 989 TFLOP/s, H100 / H200 dense bf16) count the model FLOPs of the tokens each path runs
+    (``flops_per_sample(prompt tokens)``, ``Pi05Config.training_flops_per_sample``): a prompt padded to the batch's
+    longest costs fewer FLOPs than one padded to 200; recomputation by checkpointing is not counted.
     """
     refs = [p for p in LEROBOT_PATHS if p in rows]
-    head = "| path | setting | batch | samples/s | TFLOP/s | MFU | step | data wait | peak mem |"
+    head = "| path | setting | batch | prompt | samples/s | TFLOP/s | MFU | step | data wait | peak mem |"
     head += "".join(f" vs {p} |" for p in refs)
     if loss_reference:
         head += f" step-0 loss | last-20 loss | vs {loss_reference} |"
@@ -793,9 +772,11 @@ def table(rows: dict[str, dict[str, Any]], loss_reference: str | None, flops_per
         if "error" in row:
             lines.append(f"| {path} | {row.get('setting', '')} | failed: {row['error'][:120]} |")
             continue
-        tflops = row["samples_per_s"] * flops_per_sample / 1e12
+        prompt = row.get("prompt_tokens")  # absent from rows measured before trimming: the full length
+        tflops = row["samples_per_s"] * flops_per_sample(prompt) / 1e12
         line = (
-            f"| {path} | {row['setting']} | {row['batch']} | {row['samples_per_s']:.2f} | {tflops:.0f} | "
+            f"| {path} | {row['setting']} | {row['batch']} | {f'{prompt:.0f}' if prompt else '-'} | {row['samples_per_s']:.2f} | "
+            f"{tflops:.0f} | "
             f"{100 * tflops / PEAK_TFLOPS:.1f}% | {row['step_s'] * 1e3:.0f} ms | {row['data_wait_pct']:.1f}% | "
             f"{row['peak_mem_gb']:.1f} GB |"
         )
@@ -967,14 +948,16 @@ def main() -> None:
     sys.path.insert(0, str(REPO))
     from forge_lightning.modules.embodied.config import Pi05Config
 
-    flops = Pi05Config.from_preset(args.preset).training_flops_per_sample(len(CAMERAS))
-    print(f"model FLOPs per sample (forward + backward): {flops / 1e12:.2f} TFLOP")
+    config = Pi05Config.from_preset(args.preset)
+    full = config.training_flops_per_sample(len(CAMERAS))
+    print(f"model FLOPs per sample (forward + backward) at a {config.tokenizer_max_length}-token prompt: "
+          f"{full / 1e12:.2f} TFLOP")  # fmt: skip
     for path, row in rows.items():
         if "profile" in row:
-            p = row["profile"]
-            kinds = ", ".join(f"{k} {v:.1f}" for k, v in sorted(p["ms"].items(), key=lambda kv: -kv[1]))
-            print(f"profile {path} ({p['steps']} steps, ms per step): wall {p['step_ms']:.1f}, busy "
-                  f"{p['busy_ms']:.1f}, idle {p['idle_ms']:.1f}; {kinds}")  # fmt: skip
+            from step_profile import describe
+
+            print(f"profile {path}: " + "\n".join(describe(row["profile"])))
+    flops = lambda prompt: config.training_flops_per_sample(len(CAMERAS), prompt or None)  # noqa: E731
     print(table(rows, args.loss_reference if args.loss_steps else None, flops))
     for line in _summary(rows, bool(args.loss_steps)):
         print(line)

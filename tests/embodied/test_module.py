@@ -242,3 +242,42 @@ def test_prompts_tokenised_before_the_transfer_equal_those_of_the_step(trained, 
     assert {"prompt.tokens", "prompt.mask"} <= hooked.keys()
     via_hook = policy.prepare_inputs(hooked)
     assert torch.equal(direct.tokens, via_hook.tokens) and torch.equal(direct.token_mask, via_hook.token_mask)
+
+
+@pytest.mark.parametrize("multiple", [1, 4, 64])
+def test_longest_padding_rounds_the_batch_width_and_keeps_every_token(fixture_dir, multiple):
+    from forge_lightning.modules.embodied.prompt import PromptTokenizer
+
+    tokenizer_dir = fixture_dir / "tokenizer"
+    prompts = ["Task: push, State: 1 2 3;\nAction: ", "Task: push the block left, State: 9;\nAction: "]
+    fixed_ids, fixed_mask = PromptTokenizer(tokenizer_dir, 20)(prompts)
+    ids, mask = PromptTokenizer(tokenizer_dir, 20, padding="longest", pad_multiple=multiple)(prompts)
+    longest = int(fixed_mask.sum(1).max())
+    assert longest < 20
+    assert ids.shape[1] == min(20, -(-longest // multiple) * multiple)
+    width = ids.shape[1]
+    assert torch.equal(ids, fixed_ids[:, :width]) and torch.equal(mask, fixed_mask[:, :width])
+    assert not fixed_mask[:, width:].any()
+    with pytest.raises(ValueError, match="padding must be 'longest' or 'max_length'"):
+        PromptTokenizer(tokenizer_dir, 20, padding="left")
+
+
+def test_prompt_padding_does_not_change_the_loss_or_the_actions(fixture_dir, lerobot_batch, inputs):
+    """Padding is masked: the batch's longest prompt and the full tokenizer_max_length give the same results."""
+    from forge_lightning.modules.embodied.config import Pi05Config
+
+    kwargs = {"pretrained": str(fixture_dir), "tokenizer": str(fixture_dir / "tokenizer")}
+    results = {}
+    for padding in ("longest", "max_length"):
+        config = Pi05Config.from_preset("debug", prompt_padding=padding, prompt_pad_multiple=1).to_dict()
+        policy = Pi05Policy(config, **kwargs)
+        with torch.no_grad():
+            model_inputs = policy.prepare_inputs(lerobot_batch)
+            loss = policy.loss(lerobot_batch, noise=inputs["noise"], time=inputs["time"])
+            actions = policy.model.predict_action_chunk(model_inputs, noise=inputs["noise"], num_steps=3)
+        results[padding] = (model_inputs.tokens.shape[1], loss, actions)
+    assert results["longest"][0] < results["max_length"][0] == 20
+    torch.testing.assert_close(results["longest"][1], results["max_length"][1], rtol=1e-6, atol=0)
+    torch.testing.assert_close(results["longest"][2], results["max_length"][2], rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="prompt_padding 'left' is not one of"):
+        Pi05Config.from_preset("debug", prompt_padding="left")

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+PROMPT_PADDINGS = ("longest", "max_length")
+
 
 def _check_positive(owner: str, name: str, value: float) -> None:
     if not value > 0:
@@ -112,7 +114,12 @@ class Pi05Config:
         chunk_size: actions predicted per observation (openpi's ``action_horizon``).
         max_state_dim: states longer than this are refused (shorter ones are used as they are).
         max_action_dim: action width inside the model; shorter actions are zero-padded.
-        tokenizer_max_length: prompt tokens (prompts are padded or truncated to it).
+        tokenizer_max_length: most prompt tokens (longer prompts are truncated).
+        prompt_padding: ``"longest"`` pads each batch's prompts to its longest one, rounded up to a multiple of
+            ``prompt_pad_multiple`` (at most ``tokenizer_max_length``); ``"max_length"`` pads every prompt to
+            ``tokenizer_max_length``, as lerobot and openpi do. Padding is masked, so both give the same losses
+            and actions; ``"longest"`` does not spend the backbone's compute on padding.
+        prompt_pad_multiple: see ``prompt_padding`` (a few distinct widths keep compiled blocks from recompiling).
         num_inference_steps: Euler steps from noise to actions.
         state_bins: bins over ``[-1, 1]`` of the normalised state written into the prompt.
         rope_theta: RoPE base wavelength of both stacks.
@@ -133,6 +140,8 @@ class Pi05Config:
     max_state_dim: int = 32
     max_action_dim: int = 32
     tokenizer_max_length: int = 200
+    prompt_padding: str = "longest"
+    prompt_pad_multiple: int = 32
     num_inference_steps: int = 10
     state_bins: int = 256
     rope_theta: float = 10000.0
@@ -154,6 +163,11 @@ class Pi05Config:
             _check_positive("", name, getattr(self, name))
         for name in ("num_inference_steps", "state_bins", "rope_theta", "min_period", "max_period"):
             _check_positive("", name, getattr(self, name))
+        _check_positive("", "prompt_pad_multiple", self.prompt_pad_multiple)
+        if self.prompt_padding not in PROMPT_PADDINGS:
+            raise ValueError(
+                f"prompt_padding {self.prompt_padding!r} is not one of {', '.join(map(repr, PROMPT_PADDINGS))}"
+            )
         for name in ("num_layers", "num_kv_heads", "head_dim"):
             llm, expert = getattr(self.llm, name), getattr(self.action_expert, name)
             if llm != expert:
@@ -224,20 +238,21 @@ class Pi05Config:
                 base[ours] = config[theirs]
         return cls(**{**base, **overrides})
 
-    def training_flops_per_sample(self, num_cameras: int) -> float:
-        """Training FLOPs (forward + backward, ``3 x`` the forward's) of one sample with ``num_cameras`` images.
+    def training_flops_per_sample(self, num_cameras: int, prompt_tokens: float | None = None) -> float:
+        """Training FLOPs (forward + backward, ``3 x`` the forward's) of one sample with ``num_cameras`` images
+        and a prompt of ``prompt_tokens`` tokens, padding included (default ``tokenizer_max_length``).
 
         Matmuls count ``2 * in * out`` per token they process and attention ``4 * d_attn * keys`` per query (the
         full square, masked or not), as the LLM formula does: the SigLIP tower and patch embedding on
-        ``num_patches`` tokens per camera, the projector, the backbone on the prefix (images plus the prompt
-        padded to ``tokenizer_max_length``; its last layer only makes the keys and values the action tokens
+        ``num_patches`` tokens per camera, the projector, the backbone on the prefix (images plus the padded
+        prompt; its last layer only makes the keys and values the action tokens
         read), and the action expert on the ``chunk_size`` action tokens, which attend to the prefix and to each
         other. Per-sample work (the time embedding and the adaptive norms' modulation) is left out: under 0.01%
         at ``pi05-base``.
         """
         v, g, e = self.vision, self.llm, self.action_expert
         image_tokens = num_cameras * v.num_patches
-        prefix = image_tokens + self.tokenizer_max_length
+        prefix = image_tokens + (self.tokenizer_max_length if prompt_tokens is None else prompt_tokens)
         vision_layer = 4 * v.hidden_size**2 + 2 * v.hidden_size * v.intermediate_size
         patch = 3 * v.patch_size**2 * v.hidden_size
         projector = v.hidden_size * g.hidden_size

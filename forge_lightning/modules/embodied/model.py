@@ -171,10 +171,14 @@ class Pi05(nn.Module):
     def sample_time(self, batch_size: int, *, device: torch.device | str | None = None) -> Tensor:
         """Training flow times ``Beta(alpha, beta) * time_scale + time_offset`` ``[B]`` (fp32)."""
         c = self.config
-        # Explicit fp32: under a bf16 default dtype (`bf16-true`) the Beta sampler has no kernel.
-        alpha = torch.tensor(c.time_beta_alpha, dtype=torch.float32)
-        beta = torch.distributions.Beta(alpha, torch.tensor(c.time_beta_beta, dtype=torch.float32))
-        return (beta.sample((batch_size,)) * c.time_scale + c.time_offset).to(device)
+        # Drawn on a CUDA device directly: a copy from pageable host memory would make the host wait for the
+        # device at every step. Elsewhere on the CPU (MPS has no Beta sampler). Explicit fp32: under a bf16
+        # default dtype (`bf16-true`) the sampler has no kernel.
+        where = torch.device(device) if device is not None else torch.device("cpu")
+        on = where if where.type == "cuda" else torch.device("cpu")
+        alpha = torch.tensor(c.time_beta_alpha, dtype=torch.float32, device=on)
+        beta = torch.distributions.Beta(alpha, torch.tensor(c.time_beta_beta, dtype=torch.float32, device=on))
+        return (beta.sample((batch_size,)) * c.time_scale + c.time_offset).to(where)
 
     def unused_parameters(self) -> list[nn.Parameter]:
         """Parameters no output depends on (see :meth:`GemmaBackbone.unused_parameters`)."""

@@ -194,7 +194,13 @@ class Pi05Policy(UnscaledGradientClipping, pl.LightningModule):
                 raise ValueError(
                     "Pi05Policy needs tokenizer=DIR (PaliGemma's tokenizer) to build its prompts"
                 )
-            self._tokenizer = PromptTokenizer(self.tokenizer_path, self.config.tokenizer_max_length)
+            c = self.config
+            self._tokenizer = PromptTokenizer(
+                self.tokenizer_path,
+                c.tokenizer_max_length,
+                padding=c.prompt_padding,
+                pad_multiple=c.prompt_pad_multiple,
+            )
             if self._tokenizer.vocab_size > self.config.vocab_size:
                 raise ValueError(
                     f"the tokenizer has {self._tokenizer.vocab_size} tokens but the model's vocab_size is "
@@ -243,7 +249,8 @@ class Pi05Policy(UnscaledGradientClipping, pl.LightningModule):
         return Pi05Inputs(images, image_mask, tokens.to(state.device), token_mask.to(state.device))
 
     def tokenize_prompts(self, batch: Mapping[str, Any]) -> tuple[Tensor, Tensor]:
-        """Token ids and mask ``[B, max_prompt_length]`` of the batch's prompts (task + discretised state)."""
+        """Token ids and mask ``[B, width]`` of the batch's prompts (task + discretised state; see
+        ``Pi05Config.prompt_padding`` for the width)."""
         state = batch[self.state_key]
         tasks = batch[self.task_key]
         tasks = [tasks] * state.shape[0] if isinstance(tasks, str) else list(tasks)

@@ -6,7 +6,8 @@ Pi0.5 feeds the state to the backbone as text rather than through a projection: 
     "Task: pick up the cup, State: 12 255 128 0;\\nAction: "
 
 Values below -1 get bin -1 and values from ``1 - 2 / num_bins`` upwards the last bin, as in lerobot and openpi.
-The prompt is tokenised with a beginning-of-sequence token, right-padded (or truncated) to a fixed length.
+The prompt is tokenised with a beginning-of-sequence token, truncated to a maximum length and right-padded to
+it (lerobot and openpi) or to the batch's longest prompt, rounded up to a multiple (the default here).
 """
 
 from __future__ import annotations
@@ -47,11 +48,27 @@ class PromptTokenizer:
     Args:
         path: a directory holding ``tokenizer.json`` or a SentencePiece ``tokenizer.model`` (with
             ``tokenizer_config.json``), e.g. a download of ``google/paligemma-3b-pt-224``; nothing is fetched.
-        max_length: prompt length in tokens (padded on the right, truncated beyond).
+        max_length: most prompt tokens (longer prompts are truncated).
+        padding: ``"max_length"``: every prompt is right-padded to ``max_length``; ``"longest"``: to the batch's
+            longest prompt rounded up to a multiple of ``pad_multiple`` (at most ``max_length``).
+        pad_multiple: see ``padding``.
     """
 
-    def __init__(self, path: str | os.PathLike[str], max_length: int) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        max_length: int,
+        *,
+        padding: str = "max_length",
+        pad_multiple: int = 1,
+    ) -> None:
         from transformers import AutoTokenizer
+
+        if padding not in ("longest", "max_length"):
+            raise ValueError(f"padding must be 'longest' or 'max_length', not {padding!r}")
+        if pad_multiple < 1:
+            raise ValueError(f"pad_multiple ({pad_multiple}) must be at least 1")
+        self.padding, self.pad_multiple = padding, pad_multiple
 
         directory = Path(path)
         if not directory.is_dir():
@@ -68,13 +85,20 @@ class PromptTokenizer:
         return len(self.backend)
 
     def __call__(self, prompts: Sequence[str]) -> tuple[Tensor, Tensor]:
-        """Token ids ``[B, max_length]`` (int64) and their mask (bool, False on padding) of ``prompts``."""
+        """Token ids ``[B, width]`` (int64) and their mask (bool, False on padding) of ``prompts``; ``width`` is
+        ``max_length`` or, with ``padding="longest"``, the rounded-up longest prompt."""
         encoded = self.backend(
             list(prompts),
             max_length=self.max_length,
             truncation=True,
-            padding="max_length",
+            padding=self.padding,
             padding_side="right",
             return_tensors="pt",
         )
-        return encoded["input_ids"].to(torch.long), encoded["attention_mask"].to(torch.bool)
+        ids, mask = encoded["input_ids"].to(torch.long), encoded["attention_mask"].to(torch.bool)
+        width = min(self.max_length, -(-ids.shape[1] // self.pad_multiple) * self.pad_multiple)
+        if width > ids.shape[1]:
+            extra = width - ids.shape[1]
+            ids = torch.nn.functional.pad(ids, (0, extra), value=self.backend.pad_token_id)
+            mask = torch.nn.functional.pad(mask, (0, extra), value=False)
+        return ids, mask
