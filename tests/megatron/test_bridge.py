@@ -105,3 +105,70 @@ def test_packed_rows_and_z_loss_match_the_native_model(megatron_world, hf_models
             labels != -100, model(ids, position_ids, documents, labels=labels.clamp_min(0))
         )[0]
     assert (loss_sum - plain_sum) > 1e-3  # the z-loss is in the sum
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # untied and tied output weights
+def test_fused_loss_equals_megatrons_output_layer_and_cross_entropy(megatron_world, hf_models, arch):
+    """At TP = 1 the twin's per-token loss comes from forge's fused linear + cross-entropy (chunks of tokens, no
+    [s, b, vocab] logits): the same losses, z-loss included, and gradients as megatron's output layer + its
+    cross-entropy; without labels the twin still returns the logits."""
+    from forge_lightning.strategies.megatron import schedule
+
+    path, _ = hf_models[arch]
+    _, megatrons = _twin(path)
+    config, fused = _twin(path)
+    fused.loss_backend = "torch"
+    assert megatrons.loss_backend is None
+    logits_built = []
+    fused.output_layer.register_forward_hook(lambda *_: logits_built.append(True))
+    ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(4))
+    labels = ids.roll(-1, dims=1).masked_fill(
+        torch.rand(3, 20, generator=torch.Generator().manual_seed(5)) < 0.2, -100
+    )
+    batch = {"input_ids": ids, "labels": labels}
+    sums = []
+    for model in (megatrons, fused):
+        model.z_loss = 1e-2
+        model.train()
+        output, loss_func = schedule.forward_step(-100, iter([batch]), model)
+        assert output.shape == (3, 20) and output.dtype == torch.float32
+        loss_sum, tokens, _ = loss_func(output)
+        loss_sum.backward()
+        sums.append((output.detach(), loss_sum.detach()))
+    torch.testing.assert_close(sums[1][0], sums[0][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sums[1][1], sums[0][1], atol=0, rtol=1e-6)
+    assert not logits_built  # the fused path never ran the output layer
+    for (name, expected), actual in zip(megatrons.named_parameters(), fused.parameters(), strict=True):
+        scale = expected.grad.abs().max()
+        torch.testing.assert_close(actual.grad, expected.grad, atol=1e-5 * scale, rtol=0, msg=name)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(ids, None, None), megatrons(ids, None, None), atol=0, rtol=0)
+    assert config.tie_word_embeddings == (arch == "qwen3")
+
+
+def test_fused_activation_keeps_the_twins_function(megatron_world, hf_models):
+    """megatron's compiled SiLU-and-multiply (``bias_activation_fusion``, on by default on CUDA) gives the twin the
+    same losses and gradients as the plain activation."""
+    from forge_lightning.strategies.megatron import schedule
+
+    path, _ = hf_models["llama"]
+    config = LLMConfig.load(path)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(6))
+    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
+    results = []
+    for fused_activation in (False, True):
+        tf = transformer_config(
+            config,
+            tensor_model_parallel_size=1,
+            pipeline_model_parallel_size=1,
+            bias_activation_fusion=fused_activation,
+        )
+        model = build_gpt_model(config, tf, gpt_decoder_spec(tf), pre_process=True, post_process=True)
+        load_hf_checkpoint([model], config, path)
+        output, loss_func = schedule.forward_step(-100, iter([batch]), model)
+        loss_sum = loss_func(output)[0]
+        loss_sum.backward()
+        results.append((loss_sum.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=0, rtol=1e-6)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, atol=1e-6 * grad.abs().max(), rtol=0, msg=name)

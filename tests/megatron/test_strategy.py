@@ -177,6 +177,23 @@ def test_distributed_optimizer_matches_one_process(runner):
     _assert_same_losses(rows, runner.reference)
 
 
+def test_fused_adam_matches_one_process(runner):
+    """Data parallel at TP = 1 (the fused linear + cross-entropy loss) with torch's fused AdamW kernel, which the
+    ``performance.optimizer`` setting picks (``auto``: fused on CUDA)."""
+    rows = runner(
+        "dp2_fused_adam",
+        "--trainer.strategy",
+        STRATEGY,
+        "--trainer.strategy.tensor_model_parallel_size",
+        "1",
+        "--performance.optimizer",
+        "fused",
+        "--trainer.limit_val_batches",
+        "0",
+    )
+    _assert_same_losses(rows, runner.reference)
+
+
 def test_pretrained_weights_read_per_rank_match_one_process(runner, tmp_path):
     """``model.init_args.pretrained`` under megatron: the CLI leaves the native model on the meta device and each
     TP rank reads its shards from the files; the losses are those of the native path loading the full model."""
@@ -294,3 +311,29 @@ def test_plain_data_loaders_are_split_over_data_parallel_ranks():
     trainer = Trainer(strategy=MegatronStrategy(), accelerator="cpu", devices=1, logger=False)
     assert trainer._accelerator_connector.is_distributed
     assert trainer._data_connector._requires_distributed_sampler(DataLoader(list(range(8))))
+
+
+def test_adam_kernels_follow_the_performance_setting():
+    """torch's Adam(W), megatron's fallback without TE / Apex, gets the fused kernel (``auto`` on CUDA only) and
+    steps as the default implementation does; an optimizer that has stepped keeps its kernels."""
+    import torch
+
+    from forge_lightning.strategies.megatron.optimizer import _choose_kernels
+
+    def stepped(implementation: str | None) -> tuple[torch.optim.Optimizer, torch.Tensor]:
+        param = torch.nn.Parameter(torch.linspace(-1, 1, 10))
+        optimizer = torch.optim.AdamW([param], lr=0.1, weight_decay=0.1)
+        if implementation is not None:
+            _choose_kernels(optimizer, implementation)
+        for _ in range(3):
+            param.grad = param.detach().sin()
+            optimizer.step()
+        return optimizer, param.detach()
+
+    plain = stepped(None)[1]
+    for implementation, fused in (("fused", True), ("foreach", False), ("auto", False)):
+        optimizer, param = stepped(implementation)
+        assert optimizer.param_groups[0]["fused"] is fused
+        torch.testing.assert_close(param, plain, atol=1e-6, rtol=0)
+    _choose_kernels(optimizer, "fused")
+    assert optimizer.param_groups[0]["fused"] is False

@@ -68,6 +68,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from forge_lightning.kernels import fused_linear_cross_entropy
 from forge_lightning.modules.layers.rope import rope_inv_freq
 from forge_lightning.modules.llm.config import LLMConfig
 
@@ -307,6 +308,7 @@ def build_gpt_model(
     post_process: bool,
     vp_stage: int | None = None,
     z_loss: float = 0.0,
+    loss_backend: str | None = None,
 ) -> nn.Module:
     """Build one megatron-core ``GPTModel`` chunk (this rank's TP shard of one pipeline stage).
 
@@ -323,6 +325,10 @@ def build_gpt_model(
         vp_stage: virtual pipeline stage of this chunk.
         z_loss: weight of the z-loss (``z_loss * logsumexp(logits)^2`` per token) in the per-token loss, as
             ``CausalLM``'s.
+        loss_backend: at tensor-parallel size 1, the per-token loss is forge's fused linear + cross-entropy
+            with this backend (``auto``, ``triton`` or ``torch``; see
+            :func:`~forge_lightning.kernels.fused_linear_cross_entropy`), which never builds the fp32 logits;
+            ``None``, or vocabulary split over TP ranks: megatron's output layer and cross-entropy.
     """
     tp = tf_config.tensor_model_parallel_size
     if config.vocab_size % tp:
@@ -350,6 +356,7 @@ def build_gpt_model(
     for rotary in rotaries:
         rotary.inv_freq = rope_inv_freq(config.rope_head_dim, config.rope_theta, config.rope_scaling)
     model.z_loss = z_loss
+    model.loss_backend = loss_backend if tp == 1 else None
     return model
 
 
@@ -364,12 +371,48 @@ def forge_gpt_model_class() -> type:
       rank's chunks of it, as megatron cuts its own). MLA rotates inside each layer: not covered (refused upstream).
     * **z-loss**: ``z_loss * logsumexp(logits)^2`` added to every token's cross-entropy, the logsumexp taken over
       the whole vocabulary across the TP ranks' shards (:func:`vocab_parallel_logsumexp`).
+    * **Fused loss** (``loss_backend`` set, TP = 1): training and evaluation losses come from forge's fused
+      linear + cross-entropy over the final hidden states and the output weight (the embedding when tied), in
+      chunks of tokens, never materialising the ``[s, b, vocab]`` logits and their fp32 copies; the same
+      per-token values (z-loss included) as megatron's output layer + cross-entropy, whose GEMM output is rounded
+      to the parameters' dtype before the fp32 softmax while the fused kernel keeps it in fp32.
     """
     from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
     from megatron.core.models.gpt import GPTModel
 
     class ForgeGPTModel(GPTModel):
         z_loss: float = 0.0
+        loss_backend: str | None = None
+
+        def _postprocess(self, hidden_states: Tensor, input_ids: Tensor, position_ids: Tensor, labels: Tensor,
+                         *args: Any, **kwargs: Any) -> Tensor:  # fmt: skip
+            plain = (
+                self.loss_backend is None
+                or labels is None
+                or not self.post_process
+                or kwargs.get("mtp_in_postprocess")
+                or self.config.mtp_num_layers is not None
+                or kwargs.get("inference_context") is not None
+                or kwargs.get("inference_params") is not None
+            )
+            if plain:
+                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args, **kwargs)
+            weight = (
+                self.shared_embedding_or_output_weight()
+                if self.share_embeddings_and_output_weights
+                else self.output_layer.weight
+            )
+            S, B, _ = hidden_states.shape
+            # Tokens in [s, b] order, as the hidden states are laid out: no copy of them.
+            loss_SB = fused_linear_cross_entropy(
+                hidden_states.reshape(S * B, -1),
+                weight,
+                labels.t().reshape(S * B),
+                reduction="none",
+                z_loss=self.z_loss,
+                backend=self.loss_backend,
+            )
+            return loss_SB.view(S, B).t()
 
         def _preprocess(
             self, input_ids: Tensor, position_ids: Tensor | None, *args: Any, **kwargs: Any

@@ -51,6 +51,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import Tensor
 
+from forge_lightning.kernels import rms_norm
 from forge_lightning.modules.layers.attention import DocumentMask
 from forge_lightning.modules.layers.mla import LATENT_NORM_EPS
 from forge_lightning.modules.layers.norms import RMSNorm
@@ -71,6 +72,10 @@ def transformer_engine_available() -> bool:
 class MegatronRMSNorm(RMSNorm):
     """forge's RMSNorm with megatron's constructor; the weight is tagged for sequence-parallel gradient sync.
 
+    Runs forge's fused RMSNorm kernel (:func:`~forge_lightning.kernels.rms_norm`: Triton on CUDA, the same
+    HF-semantics torch code elsewhere): megatron's layers are not compiled, so a plain-torch norm would be several
+    elementwise kernels over the activations.
+
     Args:
         config: the transformer config (reads ``sequence_parallel``).
         hidden_size: normalised width.
@@ -82,6 +87,9 @@ class MegatronRMSNorm(RMSNorm):
         # With sequence parallelism each TP rank sees a slice of the tokens, so this weight's gradient is partial:
         # megatron's finalize_model_grads all-reduces parameters carrying this attribute over the TP group.
         self.weight.sequence_parallel = config.sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        return rms_norm(x, self.weight, self.eps)
 
 
 class LatentRMSNorm(MegatronRMSNorm):

@@ -35,6 +35,7 @@ def build_megatron_optimizer(
     overlap_param_gather: bool,
     clip_grad: float,
     bf16: bool,
+    implementation: str = "auto",
 ) -> Any:
     """megatron-core's (chained) optimizer over the DDP-wrapped ``chunks``.
 
@@ -45,6 +46,9 @@ def build_megatron_optimizer(
         overlap_param_gather: overlap the DistributedOptimizer's parameter all-gather with the next forward.
         clip_grad: global gradient-norm clip (0: off), computed across every parallel group.
         bf16: the model holds bf16 parameters (the optimizer keeps fp32 main weights).
+        implementation: Adam(W)'s kernels when megatron falls back to torch's optimizers (no TransformerEngine
+            or Apex): ``fused`` (one kernel per step), ``foreach`` or ``for_loop``; ``auto``: fused when every
+            parameter the optimizer steps is on a CUDA device (the ``performance.optimizer`` setting).
     """
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -72,7 +76,21 @@ def build_megatron_optimizer(
     for inner in torch_optimizers(optimizer):
         for group in inner.param_groups:
             group["weight_decay"] = config.weight_decay * group.get("wd_mult", 1.0)
+        _choose_kernels(inner, implementation)
     return optimizer
+
+
+def _choose_kernels(optimizer: torch.optim.Optimizer, implementation: str) -> None:
+    """Set torch Adam(W)'s ``fused`` / ``foreach`` flags, which it reads at every step (its state is created at
+    the first step, on the parameters' device as the fused kernel needs). Other optimizers keep theirs."""
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW) or optimizer.state:
+        return
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if implementation == "auto":
+        implementation = "fused" if params and all(p.is_cuda for p in params) else "foreach"
+    for group in optimizer.param_groups:
+        group["fused"] = implementation == "fused"
+        group["foreach"] = implementation == "foreach"
 
 
 def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:

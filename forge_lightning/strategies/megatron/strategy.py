@@ -323,6 +323,7 @@ class MegatronStrategy(ParallelStrategy):
             overlap_param_gather=self.overlap_param_gather,
             clip_grad=float(clip),
             bf16=_bf16(trainer.precision),
+            implementation=getattr(getattr(module, "performance", None), "optimizer", "auto"),
         )
         twin.connect_schedule(self._chunks, optimizer, self._degrees(), self.overlap_grad_reduce)
         self._components.connect(self._chunks)
