@@ -172,3 +172,38 @@ def test_fused_activation_keeps_the_twins_function(megatron_world, hf_models):
     torch.testing.assert_close(results[1][0], results[0][0], atol=0, rtol=1e-6)
     for name, grad in results[0][1].items():
         torch.testing.assert_close(results[1][1][name], grad, atol=1e-6 * grad.abs().max(), rtol=0, msg=name)
+
+
+def test_rope_in_the_core_attention_equals_megatrons_rope(megatron_world, hf_models):
+    """The twin's attention rotates queries and keys inside SDPACoreAttention (forge's fused RoPE kernel), at the
+    positions megatron's rotary embedding gives, also per-token positions of packed rows: the same logits and
+    gradients as megatron's own rotate-half in its SelfAttention."""
+    from megatron.core.transformer.attention import SelfAttention
+
+    from forge_lightning.strategies.megatron import schedule
+    from forge_lightning.strategies.megatron.layer_spec import FusedRopeSelfAttention
+
+    path, _ = hf_models["llama"]
+    _, fused = _twin(path)
+    _, plain = _twin(path)
+    rotated = []
+    for layer in fused.decoder.layers:
+        assert type(layer.self_attention) is FusedRopeSelfAttention
+        core = layer.self_attention.core_attention
+        core.register_forward_pre_hook(lambda module, _: rotated.append(module.rotary_freqs is not None))
+    for layer in plain.decoder.layers:
+        layer.self_attention.__class__ = SelfAttention  # megatron's RoPE, before the core attention
+    ids = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(7))
+    document_ids = torch.tensor([[0] * 9 + [1] * 15, [0] * 24])
+    batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1), "document_ids": document_ids}
+    results = []
+    for model in (plain, fused):
+        position_ids, documents = schedule.packed_inputs(batch, model)
+        logits = model(ids, position_ids, documents)
+        logits.square().mean().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))
+    assert rotated == [True] * len(fused.decoder.layers)
+    assert all(layer.self_attention.core_attention.rotary_freqs is None for layer in fused.decoder.layers)
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    for name, grad in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], grad, atol=1e-5 * grad.abs().max(), rtol=0, msg=name)

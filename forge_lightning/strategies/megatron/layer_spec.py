@@ -51,7 +51,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import Tensor
 
-from forge_lightning.kernels import rms_norm
+from forge_lightning.kernels import apply_rope, rms_norm
 from forge_lightning.modules.layers.attention import DocumentMask
 from forge_lightning.modules.layers.mla import LATENT_NORM_EPS
 from forge_lightning.modules.layers.norms import RMSNorm
@@ -119,7 +119,9 @@ class SDPACoreAttention(MegatronModule):
     * ``a2a+p2p``: Ulysses inside megatron's first hierarchical CP group (``hierarchical_context_parallel_sizes[0]``
       ranks), ring across the second.
 
-    RoPE was applied before, at the global positions (megatron's rotary embedding selects this rank's chunks). Values
+    RoPE: with :attr:`rotary_freqs` set (by :class:`FusedRopeSelfAttention`, for the duration of one call) this module
+    rotates the queries and keys first, with forge's fused RoPE kernel (Triton on CUDA), at the positions megatron's
+    rotary embedding gives (this rank's chunks under CP); otherwise megatron's attention rotated them before. Values
     may have another head size than queries and keys (multi-latent attention).
 
     Args:
@@ -146,6 +148,7 @@ class SDPACoreAttention(MegatronModule):
         **_: Any,
     ) -> None:
         super().__init__(config=config)
+        self.rotary_freqs: Tensor | None = None
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -179,6 +182,8 @@ class SDPACoreAttention(MegatronModule):
         """
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("megatron's packed_seq_params and attention bias are not yet supported")
+        if self.rotary_freqs is not None:
+            query, key = _rotate(query, self.rotary_freqs), _rotate(key, self.rotary_freqs)
         s, b, heads, _ = query.shape
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         documents = None
@@ -217,6 +222,46 @@ class SDPACoreAttention(MegatronModule):
         if self.cp is not None:
             out_BHSD = to_sequence_parallel(out_BHSD, self.cp)  # [b, h, s/P, D]
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * dim_v]
+
+
+def _rotate(x_SBHD: Tensor, freqs_SB1D: Tensor) -> Tensor:
+    """Rotate-half RoPE of ``x`` ``[s, b, heads, dim]`` by megatron's angles ``[s, 1 or b, 1, rotary dim]``.
+
+    The kernel takes ``[batch, seq, heads, dim]`` with tables ``[batch or 1, seq, rotary dim]``: megatron's ``s``
+    plays the batch and its ``b`` the sequence, so no copy of ``x`` is made.
+    """
+    s, b = x_SBHD.shape[:2]
+    angles_SBD = freqs_SB1D[:, :, 0].float()
+    cos, sin = angles_SBD.cos().expand(s, b, -1), angles_SBD.sin().expand(s, b, -1)
+    return apply_rope(x_SBHD, cos, sin)
+
+
+class FusedRopeSelfAttention(SelfAttention):
+    """megatron's ``SelfAttention`` whose RoPE runs inside :class:`SDPACoreAttention`, as one fused kernel per query
+    and key tensor instead of megatron's eager rotate-half (several elementwise kernels each).
+
+    The rotary angles reach the core attention for the duration of one call (the layer's forward, also when full
+    recompute reruns it); megatron's own path runs where that cannot hold: inference, cross attention (a pair of
+    tables), selective recompute of the core attention alone (which reruns it outside this call), or another
+    core attention (TransformerEngine's).
+    """
+
+    def forward(self, *args: Any, rotary_pos_emb: Any = None, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        fused = (
+            isinstance(rotary_pos_emb, Tensor)
+            and isinstance(self.core_attention, SDPACoreAttention)
+            and kwargs.get("inference_context") is None
+            and kwargs.get("inference_params") is None
+            and self.config.recompute_granularity != "selective"
+            and not self.config.rotary_interleaved
+        )
+        if not fused:
+            return super().forward(*args, rotary_pos_emb=rotary_pos_emb, **kwargs)
+        self.core_attention.rotary_freqs = rotary_pos_emb
+        try:
+            return super().forward(*args, rotary_pos_emb=None, **kwargs)
+        finally:
+            self.core_attention.rotary_freqs = None
 
 
 def _context_parallel(config: TransformerConfig, comm_type: str, pg_collection: Any) -> ContextParallel:
@@ -338,7 +383,7 @@ def local_layer_spec(qk_norm: bool, *, moe: bool = False, mla: bool = False) -> 
     """
     qk = MegatronRMSNorm if qk_norm else IdentityOp
     gqa = ModuleSpec(
-        module=SelfAttention,
+        module=FusedRopeSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
