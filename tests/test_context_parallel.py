@@ -2,7 +2,8 @@
 
 One process: ring attention's pieces (the per-step plans of chunk pairs, the fp32 matmul block kernel and the
 log-sum-exp merge, forward and backward) simulated over every rank of a ring, against SDPA at fp32 (1e-5); the
-FlashAttention block's op calls on the meta device (shapes only: the CUDA kernels are not run here). Then
+FlashAttention block's op calls on the meta device (shapes only), and on a GPU (``gpu`` marker) the FlashAttention
+blocks in the same simulated ring, bf16, against SDPA. Then
 ``cp_worker.py`` on 2 gloo processes (Ulysses, ring) and 4 (ring, hybrid 2 x 2): outputs and gradients of each
 rank's positions against one-process attention, fp64 (1e-12) and fp32 (1e-5).
 """
@@ -81,10 +82,12 @@ def test_ring_and_hybrid_match_full_attention_on_4_ranks(results4, case):
     assert "do not tile the context-parallel group" in results4[1]["error"]
 
 
-def _simulated_ring(q, k, v, grad_out, held, causal):
-    """Every rank of a ring on one process: each rank's plan of kernel calls, the math kernel and the merge; then
-    the backward blocks, their gradients scattered to the positions they belong to."""
+def _simulated_ring(q, k, v, grad_out, held, causal, block=_MathBlock):
+    """Every rank of a ring on one process: each rank's plan of kernel calls, the block kernel (``_MathBlock`` or
+    ``_FlashBlock``) and the merge into fp32 accumulators; then the backward blocks from the output rounded to the
+    inputs' dtype (as ring attention saves it), their gradients scattered to the positions they belong to."""
     B, H, S, Dv = grad_out.shape
+    acc = torch.promote_types(q.dtype, torch.float32)
     world, per = len(held), len(held[0])
     c = S // (world * per)  # chunk length
 
@@ -95,11 +98,12 @@ def _simulated_ring(q, k, v, grad_out, held, causal):
         for j, chunk in enumerate(chunks):
             into[:, :, chunk * c : (chunk + 1) * c] += grad[:, :, j * c : (j + 1) * c]
 
-    out_full, grads = torch.zeros_like(grad_out), [torch.zeros_like(t) for t in (q, k, v)]
+    out_full, grads = torch.zeros_like(grad_out), [torch.zeros_like(t, dtype=acc) for t in (q, k, v)]
     scale = q.shape[-1] ** -0.5
     for r in range(world):
         plans, q_r = _ring_plans(held, r, causal), local(q, r)
-        out, lse = torch.zeros(B, H, per * c, Dv), torch.full((B, H, per * c), float("-inf"))
+        out = torch.zeros(B, H, per * c, Dv, dtype=acc, device=q.device)
+        lse = torch.full((B, H, per * c), float("-inf"), dtype=acc, device=q.device)
         blocks = [
             (slice(first * c, end * c), n, causal_block, (r - step) % world)
             for step, plan in enumerate(plans)
@@ -110,16 +114,17 @@ def _simulated_ring(q, k, v, grad_out, held, causal):
             _merge(
                 out[:, :, rows],
                 lse[:, :, rows],
-                *_MathBlock.forward(q_r[:, :, rows], k_o, v_o, causal_block, scale),
+                *block.forward(q_r[:, :, rows], k_o, v_o, causal_block, scale),
             )
+        out = out.to(q.dtype)
         scatter(out_full, out, held[r])
         dout = local(grad_out, r)
-        delta = _MathBlock.prepare(dout, out)
+        delta = block.prepare(dout, out)
         for rows, n, causal_block, owner in blocks:
             k_o, v_o = local(k, owner)[:, :, : n * c], local(v, owner)[:, :, : n * c]
-            dq, dk, dv = _MathBlock.backward(
-                dout[:, :, rows], q_r[:, :, rows], k_o, v_o, out[:, :, rows], lse[:, :, rows], delta[:, :, rows],
-                causal_block, scale,
+            dq, dk, dv = block.backward(
+                dout[:, :, rows], q_r[:, :, rows], k_o, v_o, out[:, :, rows], lse[:, :, rows],
+                None if delta is None else delta[:, :, rows], causal_block, scale,
             )  # fmt: skip
             scatter(grads[0], dq, held[r][rows.start // c : rows.stop // c])
             scatter(grads[1], dk, held[owner][:n])
@@ -149,6 +154,37 @@ def test_ring_blocks_and_merge_match_sdpa(held, kv_heads, v_dim, causal):
     torch.testing.assert_close(out, reference.detach(), atol=1e-5, rtol=0)
     for grad, ref in zip(grads, full):
         torch.testing.assert_close(grad, ref.grad, atol=1e-5, rtol=0)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(
+    "held, kv_heads, v_dim, causal",
+    [
+        ([[0, 3], [1, 2]], 2, 64, True),  # load-balanced, 2 ranks, GQA
+        ([[0, 7], [1, 6], [2, 5], [3, 4]], 1, 32, True),  # 4 ranks, MQA, narrower values (padded for the op)
+        ([[0, 3], [1, 2]], 8, 64, False),
+    ],
+)
+def test_ring_flash_blocks_match_sdpa_on_cuda(held, kv_heads, v_dim, causal):
+    """The CUDA block kernel (FlashAttention's ops, bf16) in the same simulated ring, against fp32 SDPA of the same
+    bf16 inputs: outputs and q, k, v gradients within bf16 rounding (relative to each tensor's largest value)."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    B, H, S, D = 2, 8, 512, 64
+    shapes = [(B, H, S, D), (B, kv_heads, S, D), (B, kv_heads, S, v_dim), (B, H, S, v_dim)]
+    q, k, v, grad_out = (torch.randn(s, generator=gen, device="cuda", dtype=torch.bfloat16) for s in shapes)
+    assert _FlashBlock.usable(q, k, v)
+    full = [t.float().requires_grad_() for t in (q, k, v)]
+    reference = F.scaled_dot_product_attention(*full, is_causal=causal, enable_gqa=kv_heads < H)
+    (reference * grad_out.float()).sum().backward()
+    out, grads = _simulated_ring(q, k, v, grad_out, held, causal, block=_FlashBlock)
+
+    def rel_err(actual, expected):
+        return ((actual.float() - expected).abs().max() / expected.abs().max()).item()
+
+    assert rel_err(out, reference.detach()) < 2e-2
+    for grad, ref in zip(grads, full):
+        assert rel_err(grad, ref.grad) < 3e-2
 
 
 def test_load_balanced_ring_steps_are_one_half_block_each():

@@ -438,8 +438,9 @@ class _FlashBlock:
     """One block on FlashAttention's ATen ops (``_scaled_dot_product_flash_attention`` and its backward), which
     return the log-sum-exp the merge needs. CUDA only, fp16 / bf16.
 
-    NOT RUN ON A GPU YET (no GPU in the test environment): only the ops' signatures and shapes are checked, on the
-    meta device. Key/value heads are expanded to the query heads (the op's backward is only used with equal heads
+    The default (CPU) tests check the ops' signatures and shapes on the meta device; the ``gpu``-marked test in
+    ``tests/test_context_parallel.py`` runs these blocks in a simulated ring against SDPA on CUDA (written, not yet
+    run). Key/value heads are expanded to the query heads (the op's backward is only used with equal heads
     here), and values narrower than queries (multi-latent attention) are zero-padded to the query head size.
     """
 
