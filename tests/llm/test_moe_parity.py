@@ -582,3 +582,49 @@ def test_debug_moe_trains_on_cpu_and_logs_router_metrics() -> None:
     metrics = trainer.logged_metrics
     assert torch.isfinite(metrics["train/router_aux_loss"]) and metrics["train/router_aux_loss"] > 0
     assert metrics["moe/expert_load_max_over_mean"] >= 1
+
+
+def test_selection_bias_moves_towards_balance_after_each_step() -> None:
+    """``moe.bias_update_rate``: after an optimizer step over two micro-batches, each MoE layer's selection bias
+    moved by ``rate * sign(mean load - load)``, the loads being the step's routed tokens per expert (both
+    micro-batches, counted with the step's weights), and the option round-trips through ``config.json``."""
+    rate = 0.05
+    preset = PRESETS["debug-deepseek"]
+    config = LLMConfig.from_preset("debug-deepseek", moe={**preset["moe"], "bias_update_rate": rate})
+    assert LLMConfig.from_hf(config.to_hf()).moe.bias_update_rate == rate
+    torch.manual_seed(0)
+    model = CausalLM(config=config, optimizer={"lr": 1e-3})
+    batches = []
+    for seed in (1, 2):
+        input_ids = torch.randint(
+            0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(seed)
+        )
+        labels = input_ids.roll(-1, dims=1)
+        batches.append(
+            {"input_ids": input_ids, "labels": labels, "step_tokens": torch.tensor(2 * labels.numel())}
+        )
+    blocks = model.model.moe_blocks()
+    assert blocks
+    with torch.no_grad():
+        load_LE = 0
+        for batch in batches:
+            model.model(batch["input_ids"])
+            load_LE = load_LE + torch.stack([block.stats.tokens_per_expert for block in blocks])
+    before = [block.gate.e_score_correction_bias.clone() for block in blocks]
+    trainer = Trainer(
+        max_steps=1,
+        accumulate_grad_batches=2,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None))
+    expected_LE = torch.sign(load_LE.mean(dim=-1, keepdim=True) - load_LE) * rate
+    assert (expected_LE != 0).any()
+    for block, old, step in zip(blocks, before, expected_LE):
+        assert block.gate.e_score_correction_bias.dtype == torch.float32
+        torch.testing.assert_close(block.gate.e_score_correction_bias, old + step, atol=0, rtol=0)
+    with pytest.raises(ValueError, match=r"moe.bias_update_rate \(0.01\) needs the selection bias"):
+        LLMConfig.from_preset("debug-moe", moe={**PRESETS["debug-moe"]["moe"], "bias_update_rate": 0.01})

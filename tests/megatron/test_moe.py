@@ -210,8 +210,13 @@ def _fit(
     return _metrics(root, name)
 
 
-def _assert_same_losses(rows: list[dict[str, str]], reference: list[dict[str, str]], layout: str) -> None:
-    for key in ("train/loss", "train/router_z_loss"):
+def _assert_same_losses(
+    rows: list[dict[str, str]],
+    reference: list[dict[str, str]],
+    layout: str,
+    keys: tuple[str, ...] = ("train/loss", "train/router_z_loss"),
+) -> None:
+    for key in keys:
         got, want = _column(rows, key), _column(reference, key)
         assert sorted(got) == sorted(want) == [0, 1, 2], (layout, key)
         deltas = {s: abs(got[s] - want[s]) for s in got}
@@ -240,12 +245,21 @@ def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path)
 
 def test_strategy_fit_of_deepseek_v3_matches_one_process(tiny_corpus, tmp_path):
     """``forge fit`` of the tiny DeepSeek-V3 (multi-latent attention, a dense layer, a layer of sigmoid group-limited
-    experts with the selection bias and a shared expert, the router z-loss) with MegatronStrategy at EP = 2 (DP = 2,
-    batch 2 each) and at TP = 2 with sequence parallelism (batch 4) reproduces the default strategy's losses on one
-    process (batch 4) for 3 steps."""
+    experts with the selection bias and a shared expert, the router z-loss, aux-loss-free balancing: the bias moves
+    after every step) with MegatronStrategy at EP = 2 (DP = 2, batch 2 each) and at TP = 2 with sequence
+    parallelism (batch 4), and the default strategy on 2 processes (batch 2 each), reproduce the default strategy's
+    losses on one process (batch 4) for 3 steps; the balancing changes those losses."""
     config = moe_config("deepseek_v3")
     config.vocab_size = 512  # the tiny corpus's tokenizer
+    fixed = _fit(tmp_path, tiny_corpus, config, "fixed_bias", devices=1, batch=4)
+    config.moe.bias_update_rate = 0.05
     reference = _fit(tmp_path, tiny_corpus, config, "reference", devices=1, batch=4)
+    moved, kept = _column(reference, "train/loss"), _column(fixed, "train/loss")
+    assert moved[0] == kept[0] and abs(moved[2] - kept[2]) > 1e-4, (moved, kept)
     for layout, args, batch in (("ep2", EP2, 2), ("tp2_sp", TP2_SP, 4)):
         rows = _fit(tmp_path, tiny_corpus, config, layout, *args, devices=2, batch=batch)
         _assert_same_losses(rows, reference, layout)
+    # The native model on 2 processes too (the default strategy, DDP): its loads summed over the ranks. Its
+    # router z-loss is logged from rank 0's micro-batch, so only the training loss compares.
+    rows = _fit(tmp_path, tiny_corpus, config, "native_dp2", devices=2, batch=2)
+    _assert_same_losses(rows, reference, "native_dp2", keys=("train/loss",))

@@ -100,6 +100,11 @@ class MoEConfig:
         dense_layers: indices of further dense layers (Qwen ``mlp_only_layers``).
         aux_loss_coef: weight of the load-balancing loss added to the training loss.
         z_loss_coef: weight of the router z-loss added to the training loss.
+        bias_update_rate: auxiliary-loss-free load balancing (Wang et al. 2024, arXiv:2408.15664; DeepSeek-V3's
+            ``gamma``, 0.001 there): after every optimizer step each MoE layer's selection bias
+            (``e_score_correction_bias``, sigmoid routing only) moves by this much per expert towards balance,
+            ``bias += rate * sign(mean load - load)``, the loads being the tokens routed to each expert over the
+            step's global batch. 0 keeps the bias as loaded. ``router_bias_update_rate`` in a ``config.json``.
     """
 
     num_experts: int
@@ -117,6 +122,7 @@ class MoEConfig:
     dense_layers: list[int] = field(default_factory=list)
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
+    bias_update_rate: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_experts", "num_experts_per_tok", "intermediate_size", "num_groups", "layer_step"):
@@ -141,9 +147,14 @@ class MoEConfig:
         self.dense_layers = list(self.dense_layers)
         if not self.routed_scaling_factor > 0:
             raise ValueError(f"moe.routed_scaling_factor ({self.routed_scaling_factor}) must be positive")
-        for name in ("aux_loss_coef", "z_loss_coef"):
+        for name in ("aux_loss_coef", "z_loss_coef", "bias_update_rate"):
             if getattr(self, name) < 0:
                 raise ValueError(f"moe.{name} ({getattr(self, name)}) must be non-negative")
+        if self.bias_update_rate and self.score_func != "sigmoid":
+            raise ValueError(
+                f"moe.bias_update_rate ({self.bias_update_rate}) needs the selection bias of sigmoid routing "
+                "(moe.score_func 'sigmoid', DeepSeek-V3); softmax routers have none"
+            )
 
     def _check_groups(self) -> None:
         if self.num_experts % self.num_groups:
@@ -599,6 +610,7 @@ def _moe_from_hf(hf: Mapping[str, Any], arch: str) -> MoEConfig | None:
         z_loss_coef=hf.get("router_z_loss_coef", 0.0),
     )
     if arch == "deepseek_v3":
+        common["bias_update_rate"] = float(hf.get("router_bias_update_rate", 0.0))
         for key, supported in (
             ("scoring_func", "sigmoid"),
             ("topk_method", "noaux_tc"),
@@ -647,6 +659,8 @@ def _moe_to_hf(config: LLMConfig) -> dict[str, Any]:
     }
     if m.z_loss_coef:
         hf["router_z_loss_coef"] = m.z_loss_coef
+    if m.bias_update_rate:
+        hf["router_bias_update_rate"] = m.bias_update_rate
     if config.architecture != "deepseek_v3":
         hf.update(
             num_experts=m.num_experts, decoder_sparse_step=m.layer_step, mlp_only_layers=list(m.dense_layers)

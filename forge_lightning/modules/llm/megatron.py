@@ -197,12 +197,13 @@ def _moe_fields(config: LLMConfig, shards: int) -> dict[str, Any]:
         moe_router_pre_softmax=not moe.norm_topk_prob and not sigmoid,
         moe_router_topk_scaling_factor=scaling,
         # DeepSeek-V3: group-limited top-k, experts chosen by score + selection bias (`mlp.router.expert_bias`,
-        # fp32), weighted by the unbiased scores; logits in fp32 as natively. The native model (as transformers)
-        # keeps the bias as loaded, so megatron's aux-loss-free update is off (rate 0; see docs/megatron.md).
+        # fp32), weighted by the unbiased scores; logits in fp32 as natively. megatron's aux-loss-free update of
+        # the bias (in its gradient finalisation: the step's routed tokens all-reduced over TP x CP x DP, then
+        # bias += rate * sign(mean - load)) is the native moe.bias_update_rate's.
         moe_router_num_groups=groups,
         moe_router_group_topk=moe.num_groups_per_tok if groups else None,
         moe_router_enable_expert_bias=sigmoid,
-        moe_router_bias_update_rate=0.0,
+        moe_router_bias_update_rate=moe.bias_update_rate,
         moe_router_dtype="fp32" if sigmoid else None,
         moe_shared_expert_intermediate_size=moe.shared_intermediate_size or None,
         moe_shared_expert_gate=moe.shared_expert_gate,

@@ -156,6 +156,7 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
             )
         self._loss_norm: tuple[int, torch.Tensor] | None = None
         self._step_loss_sum: torch.Tensor | None = None
+        self._step_expert_load: torch.Tensor | None = None  # [MoE layers, experts] over the optimizer step
         self._eval_sums: torch.Tensor | None = None
         self._warned_no_step_tokens = False
 
@@ -294,6 +295,9 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
             return None
         moe = self.config.moe
         load_LE = router.tokens_per_expert
+        if moe.bias_update_rate:
+            step = self._step_expert_load
+            self._step_expert_load = load_LE if step is None else step + load_LE
         self.log("train/router_aux_loss", router.aux_loss.detach().float(), rank_zero_only=True)
         self.log("train/router_z_loss", router.z_loss.detach().float(), rank_zero_only=True)
         self.log(
@@ -303,11 +307,25 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self._update_expert_bias()
         if self._step_loss_sum is None or self._loss_norm is None:
             return
         total_loss = self.trainer.strategy.reduce(self._step_loss_sum, reduce_op="sum")
         self.log("train/loss", (total_loss / self._loss_norm[1]).float(), prog_bar=True, rank_zero_only=True)
         self._step_loss_sum = None
+
+    @torch.no_grad()
+    def _update_expert_bias(self) -> None:
+        """Auxiliary-loss-free balancing (``moe.bias_update_rate``): move each MoE layer's selection bias towards
+        balance by the loads of the step's global batch (summed over its micro-batches and data-parallel ranks)."""
+        load_LE, self._step_expert_load = self._step_expert_load, None
+        if load_LE is None:
+            return
+        load_LE = self.trainer.strategy.reduce(load_LE, reduce_op="sum")
+        step_LE = torch.sign(load_LE.mean(dim=-1, keepdim=True) - load_LE) * self.config.moe.bias_update_rate
+        for block, step_E in zip(self.model.moe_blocks(), step_LE, strict=True):
+            bias = block.gate.e_score_correction_bias
+            bias.add_(step_E.to(bias.device, bias.dtype))
 
     # ----- evaluation ----------------------------------------------------------------------------------------
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
