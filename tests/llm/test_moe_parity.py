@@ -561,6 +561,18 @@ class _Record(Callback):
         self.losses.append(float(trainer.callback_metrics["train/loss"]))
 
 
+def _quiet_trainer(**kwargs: object) -> Trainer:
+    """A CPU Trainer without logger, checkpoints, progress bar or summary."""
+    return Trainer(
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 def test_debug_moe_trains_on_cpu_and_logs_router_metrics() -> None:
     torch.manual_seed(0)
     model = CausalLM.from_config("debug-moe", optimizer={"lr": 3e-3})
@@ -568,15 +580,7 @@ def test_debug_moe_trains_on_cpu_and_logs_router_metrics() -> None:
     labels = input_ids.roll(-1, dims=1)
     batch = {"input_ids": input_ids, "labels": labels, "step_tokens": torch.tensor(labels.numel())}
     record = _Record()
-    trainer = Trainer(
-        max_steps=8,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[record],
-    )
+    trainer = _quiet_trainer(max_steps=8, callbacks=[record])
     trainer.fit(model, train_dataloaders=DataLoader([batch] * 8, batch_size=None))
     assert record.losses[-1] < record.losses[0] - 0.5, record.losses
     metrics = trainer.logged_metrics
@@ -611,15 +615,7 @@ def test_selection_bias_moves_towards_balance_after_each_step() -> None:
             model.model(batch["input_ids"])
             load_LE = load_LE + torch.stack([block.stats.tokens_per_expert for block in blocks])
     before = [block.gate.e_score_correction_bias.clone() for block in blocks]
-    trainer = Trainer(
-        max_steps=1,
-        accumulate_grad_batches=2,
-        accelerator="cpu",
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = _quiet_trainer(max_steps=1, accumulate_grad_batches=2)
     trainer.fit(model, train_dataloaders=DataLoader(batches, batch_size=None))
     expected_LE = torch.sign(load_LE.mean(dim=-1, keepdim=True) - load_LE) * rate
     assert (expected_LE != 0).any()
