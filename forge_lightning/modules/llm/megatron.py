@@ -375,8 +375,8 @@ def forge_gpt_model_class() -> type:
     * **Fused loss** (``loss_backend`` set, TP = 1): training and evaluation losses come from forge's fused
       linear + cross-entropy over the final hidden states and the output weight (the embedding when tied), in
       chunks of tokens, never materialising the ``[s, b, vocab]`` logits and their fp32 copies; the same
-      per-token values (z-loss included) as megatron's output layer + cross-entropy, whose GEMM output is rounded
-      to the parameters' dtype before the fp32 softmax while the fused kernel keeps it in fp32.
+      per-token values (z-loss included) as megatron's output layer + cross-entropy (both round the logit GEMM's
+      output to the parameters' dtype, then take the softmax in fp32).
     """
     from megatron.core.models.common.embeddings.rope_utils import get_pos_emb_on_this_cp_rank
     from megatron.core.models.gpt import GPTModel
