@@ -75,7 +75,7 @@ def test_twin_matches_native_loss_gradients_and_router_losses(megatron_world, na
     if config.moe.aux_loss_coef:  # qwen2_moe: one MoE layer, so megatron's per-layer loss is the pooled one
         tracked = run["tracked"]["load_balancing_loss"].sum().item() * config.moe.num_experts_per_tok
         assert abs(tracked - sum(ref["aux_loss"])) <= 1e-5, (tracked, ref["aux_loss"])
-    # DeepSeek-V3's selection bias is kept as loaded (megatron's aux-loss-free update is off, as natively).
+    # DeepSeek-V3's selection bias is kept as loaded (moe.bias_update_rate 0, the default, on both sides).
     biases = [k for k in native if k.endswith("e_score_correction_bias")]
     assert len(biases) == name.startswith("deepseek_v3")
     after = export_hf_state(chunks, config)
@@ -263,3 +263,30 @@ def test_strategy_fit_of_deepseek_v3_matches_one_process(tiny_corpus, tmp_path):
     # router z-loss is logged from rank 0's micro-batch, so only the training loss compares.
     rows = _fit(tmp_path, tiny_corpus, config, "native_dp2", devices=2, batch=2)
     _assert_same_losses(rows, reference, "native_dp2", keys=("train/loss",))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_grouped_experts_equal_megatrons_expert_loop(megatron_world, name):
+    """The twin's experts (``GroupedSequentialMLP``: two grouped GEMMs over the stacked expert weights) give
+    megatron's ``SequentialMLP`` loop's losses and gradients, every expert's own parameter included."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from forge_lightning.strategies.megatron.layer_spec import GroupedSequentialMLP
+
+    config = moe_config(name)
+    model = native_model(config)
+    batches = micro_batches(config, 2)
+    runs = []
+    for grouped in (True, False):
+        chunks = build_twin(model)
+        experts = [
+            layer.mlp.experts for layer in unwrap(chunks[0]).decoder.layers if hasattr(layer.mlp, "experts")
+        ]
+        assert experts and all(type(e) is GroupedSequentialMLP and e._grouped() for e in experts)
+        if not grouped:
+            for module in experts:
+                module.__class__ = SequentialMLP
+        runs.append(megatron_run(chunks, config, batches))
+    torch.testing.assert_close(runs[0]["sums"], runs[1]["sums"], atol=1e-6, rtol=1e-6)
+    for key, grad in runs[1]["grads"].items():
+        torch.testing.assert_close(runs[0]["grads"][key], grad, atol=1e-6 * grad.abs().max(), rtol=0, msg=key)

@@ -16,7 +16,7 @@ as follows::
     model.norm.weight                            ->  decoder.final_layernorm                             (last stage)
     lm_head.weight (or the tied embedding)       ->  output_layer.weight                 rows split      (last stage)
 
-  MoE layers (``config.is_moe_layer(L)``; megatron's ``MoELayer`` with ``SequentialMLP`` experts), on expert-parallel
+  MoE layers (``config.is_moe_layer(L)``; megatron's ``MoELayer`` with ``SequentialMLP``-layout experts), on expert-parallel
   rank p of P with E experts (rank p holds experts ``e`` in ``[p*E/P, (p+1)*E/P)`` as ``local_experts.i``,
   ``i = e - p*E/P``; each expert is split over TP like a dense MLP)::
 
@@ -210,8 +210,8 @@ def _moe_fields(config: LLMConfig, shards: int) -> dict[str, Any]:
         moe_router_load_balancing_type="aux_loss" if aux else "none",
         moe_aux_loss_coeff=aux,
         moe_z_loss_coeff=z_loss or None,
-        # No token dropping; all-to-all dispatch over the expert-parallel group; one GEMM per expert
-        # (SequentialMLP: grouped GEMMs need TransformerEngine or the grouped_gemm package).
+        # No token dropping; all-to-all dispatch over the expert-parallel group; megatron's grouped-GEMM experts
+        # need TransformerEngine or the grouped_gemm package (the layer spec groups SequentialMLP's itself).
         moe_token_dispatcher_type="alltoall",
         moe_grouped_gemm=False,
         moe_permute_fusion=False,

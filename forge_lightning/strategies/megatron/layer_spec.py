@@ -3,7 +3,7 @@
 megatron-core's local spec (no TransformerEngine) cannot do what the dense path needs: its torch norms refuse
 sequence parallelism and its ``DotProductAttention`` materialises the ``[b, heads, s, s]`` scores. This spec
 keeps megatron's column / row parallel linears, ``SelfAttention``, ``MLP``, ``MoELayer`` (router, all-to-all token
-dispatcher, ``SequentialMLP`` experts, shared expert) and ``TransformerLayer`` and swaps in
+dispatcher, ``SequentialMLP``'s expert parameters, shared expert) and ``TransformerLayer`` and swaps in
 
 * :class:`MegatronRMSNorm`: forge's RMSNorm (fp32 statistics, as Hugging Face) whose weight is tagged
   ``sequence_parallel`` so megatron all-reduces its gradient over the TP group when the sequence is sharded;
@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.fusions.fused_bias_swiglu import weighted_bias_swiglu_impl
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -54,6 +55,7 @@ from torch import Tensor
 from forge_lightning.kernels import apply_rope, rms_norm
 from forge_lightning.modules.layers.attention import DocumentMask
 from forge_lightning.modules.layers.mla import LATENT_NORM_EPS
+from forge_lightning.modules.layers.moe import grouped_linear
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.strategies.context_parallel import (
     ContextParallel,
@@ -313,15 +315,64 @@ class MegatronTopKRouter(TopKRouter):
         return self
 
 
+class GroupedSequentialMLP(SequentialMLP):
+    """megatron's ``SequentialMLP`` experts (same parameters, names and checkpoints) computed as two grouped GEMMs
+    over all local experts (:func:`~forge_lightning.modules.layers.moe.grouped_linear`: ``torch._grouped_mm`` on
+    Hopper GPUs in bf16 and on CPUs, a loop elsewhere) instead of one small GEMM pair per expert.
+
+    The experts' weights are stacked at each forward (their gradients flow back to each expert's own parameter);
+    the activation is the experts' SwiGLU weighted by the routing probabilities, megatron's fused kernel when
+    ``bias_activation_fusion`` is on. megatron's per-expert loop runs for what this does not cover: biases,
+    activation clamps or offsets, TE activations, FP8 / FP4 padding, probabilities applied to the inputs.
+    """
+
+    def _grouped(self) -> bool:
+        c = self.config
+        first = self.local_experts[0] if len(self.local_experts) else None
+        return (
+            first is not None
+            and c.gated_linear_unit
+            and c.activation_func is F.silu
+            and not c.use_te_activation_func
+            and c.activation_func_clamp_value is None
+            and not c.glu_linear_offset
+            and not (c.fp8 or c.fp4)
+            and not c.moe_apply_probs_on_input
+            and first.linear_fc1.bias is None
+            and first.linear_fc2.bias is None
+        )
+
+    def forward(
+        self, permuted_local_hidden_states: Tensor, tokens_per_expert: Tensor, permuted_probs: Tensor
+    ) -> tuple[Tensor, None]:
+        if not self._grouped():
+            return super().forward(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+        x_ND = permuted_local_hidden_states
+        counts_E = torch.as_tensor(tokens_per_expert, device=x_ND.device)
+        w1_EOD = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])
+        w2_EDI = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])
+        h_NO = grouped_linear(x_ND, w1_EOD, counts_E)
+        probs_N1 = permuted_probs.unsqueeze(-1)
+        if self.config.bias_activation_fusion:
+            h_NI = weighted_bias_swiglu_impl(
+                h_NO, None, probs_N1, self.config.activation_func_fp8_input_store
+            )
+        else:
+            gate_NI, up_NI = h_NO.chunk(2, dim=-1)
+            h_NI = (F.silu(gate_NI) * up_NI * probs_N1).to(h_NO.dtype)
+        return grouped_linear(h_NI, w2_EDI, counts_E), None
+
+
 def local_moe_spec() -> ModuleSpec:
-    """megatron's ``MoELayer`` from its own parallel linears: top-k router, token dispatcher, ``SequentialMLP``
-    experts (one GEMM per local expert; grouped GEMMs need TransformerEngine) and an optional shared expert."""
+    """megatron's ``MoELayer`` from its own parallel linears: top-k router, token dispatcher, the experts as
+    :class:`GroupedSequentialMLP` (megatron's ``SequentialMLP`` layout, grouped GEMMs) and an optional shared
+    expert."""
     _define_missing_te_gemm()
     linears = MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear)
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
-            experts=ModuleSpec(module=SequentialMLP, submodules=linears),
+            experts=ModuleSpec(module=GroupedSequentialMLP, submodules=linears),
             shared_experts=ModuleSpec(module=SharedExpertMLP, submodules=linears),
             router=MegatronTopKRouter,
         ),
