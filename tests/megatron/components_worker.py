@@ -67,6 +67,13 @@ CASES = {
         reference=dict(batch=3, accumulate=1, freeze=["encoder", "llm"]),
     ),
     "dp2": dict(strategy=dict(), batch=3, accumulate=1, reference=dict(batch=6, accumulate=1)),
+    # The decoder's optimizer state and fp32 main weights sharded over DP; the encoder side's own optimizer chained.
+    "dp2_distopt": dict(
+        strategy=dict(use_distributed_optimizer=True),
+        batch=3,
+        accumulate=1,
+        reference=dict(batch=6, accumulate=1),
+    ),
     "bad_name": dict(
         strategy=dict(tensor_model_parallel_size=2, components={"vision": {}}), batch=3, accumulate=1
     ),
@@ -77,6 +84,17 @@ CASES = {
     ),
     "ckpt_tp2_resume": dict(strategy=TP2, batch=4, accumulate=2, checkpoint="ckpt_tp2"),
     "ckpt_tp2_to_dp2": dict(strategy=dict(), batch=2, accumulate=2, checkpoint="ckpt_tp2"),
+    # The distributed optimizer (twin sharded over DP, encoder side chained): save at step 3, resume.
+    "ckpt_distopt": dict(
+        strategy=dict(use_distributed_optimizer=True),
+        batch=2,
+        accumulate=2,
+        checkpoint="save",
+        reference=dict(batch=4, accumulate=2),
+    ),
+    "ckpt_distopt_resume": dict(
+        strategy=dict(use_distributed_optimizer=True), batch=2, accumulate=2, checkpoint="ckpt_distopt"
+    ),  # fmt: skip
     "bad_resume_frozen": dict(
         strategy=dict(**TP2, components={"encoder": {"freeze": True}}),
         batch=4,
@@ -177,6 +195,9 @@ def run_case(out: Path, name: str) -> None:
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             inner = torch_optimizers(trainer.strategy.optimizers[0])
             held["optimizer_params"] = sum(len(g["params"]) for opt in inner for g in opt.param_groups)
+            held["optimizer_numel"] = sum(
+                p.numel() for opt in inner for g in opt.param_groups for p in g["params"]
+            )
             held["recompute"] = unwrap(trainer.strategy._chunks[0]).config.recompute_granularity
             blocks = pl_module.model.encoder.blocks
             held["encoder_recompute"] = all(getattr(b, "_forge_megatron_recompute", False) for b in blocks)

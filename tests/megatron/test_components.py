@@ -78,7 +78,7 @@ def runs(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "dp2"])
+@pytest.mark.parametrize("name", ["tp2", "tp2_sp", "dp2", "dp2_distopt"])
 def test_composed_model_matches_one_process(runs, name):
     losses, val = _losses(runs, name), _losses(runs, name, "val/loss")
     expected, expected_val, reference_params, _ = _reference(runs, name)
@@ -96,6 +96,15 @@ def test_composed_model_matches_one_process(runs, name):
         assert torch.equal(value, ranks[1]["after"][key]), key  # the replicas stay identical
         assert (value - ranks[0]["before"][key]).abs().max() > 0, key  # and trained
         assert (value - reference_params[key]).abs().max() <= PARAM_TOL, key
+
+
+def test_distributed_optimizer_shards_the_decoder_and_keeps_the_encoder_side_whole(runs):
+    """With ``use_distributed_optimizer`` each DP rank's optimizer holds half of the twin's main weights plus the
+    whole encoder side (its own optimizer, chained), against the plain optimizer's full copy."""
+    for rank in (0, 1):
+        plain = torch.load(runs / f"dp2_rank{rank}.pt")["optimizer_numel"]
+        sharded = torch.load(runs / f"dp2_distopt_rank{rank}.pt")["optimizer_numel"]
+        assert sharded < 0.75 * plain, (rank, sharded, plain)
 
 
 def test_gradient_norm_is_the_same_at_every_layout(runs):
@@ -154,6 +163,20 @@ def test_checkpoint_resumes_exactly_at_the_same_layout(runs):
         assert f"components.{key}" in stored and f"optimizer.state.exp_avg_sq.components.{key}" in stored
     config = json.loads((runs / "ckpt_ckpt_tp2" / CKPT / "config.json").read_text())
     assert config["num_hidden_layers"] == EncoderDecoderLM().model.llm.config.num_layers  # the decoder's
+
+
+def test_distributed_optimizer_checkpoint_resumes_exactly(runs):
+    """DP = 2 with the distributed optimizer (and the encoder side's own optimizer chained to it): the resumed steps
+    3-4 give the uninterrupted run's losses and encoder weights, and both match one process."""
+    full, resumed = _losses(runs, "ckpt_distopt"), _losses(runs, "ckpt_distopt_resume")
+    assert sorted(full) == [0, 1, 2, 3, 4] and sorted(resumed) == [3, 4]
+    assert all(resumed[s] == full[s] for s in (3, 4)), (resumed, full)
+    expected = _reference(runs, "ckpt_distopt")[0]
+    assert max(abs(full[s] - expected[s]) for s in expected) <= LOSS_TOL, (full, expected)
+    for rank in (0, 1):
+        after = torch.load(runs / f"ckpt_distopt_rank{rank}.pt")["after"]
+        resumed_after = torch.load(runs / f"ckpt_distopt_resume_rank{rank}.pt")["after"]
+        assert all(torch.equal(resumed_after[k], v) for k, v in after.items())
 
 
 def test_checkpoint_loads_at_another_decoder_layout(runs):
@@ -280,12 +303,6 @@ def test_components_resolve_against_the_plan():
             "pipeline_model_parallel_size=2 is not yet",
         ),
         ({}, {"context_parallel_size": 2}, NotImplementedError, "context_parallel_size=2 is not yet"),
-        (
-            {},
-            {"use_distributed_optimizer": True},
-            NotImplementedError,
-            "use_distributed_optimizer=True is not yet",
-        ),
     ],
 )
 def test_bad_component_settings_are_refused(raw, degrees, error, match):

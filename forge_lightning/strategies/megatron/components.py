@@ -226,14 +226,13 @@ def _check_composed_layout(degrees: Mapping[str, Any]) -> None:
     refused = {
         "pipeline_model_parallel_size": degrees["pipeline_model_parallel_size"] > 1,
         "context_parallel_size": degrees["context_parallel_size"] > 1,
-        "use_distributed_optimizer": degrees["use_distributed_optimizer"],
     }
     for option, on in refused.items():
         if on:
             raise NotImplementedError(
                 f"{option}={degrees[option]} is not yet supported with a composed model (components feeding a "
-                "decoder LM) under MegatronStrategy: the encoder side runs outside megatron's pipeline, context-"
-                "parallel split and distributed optimizer; use tensor / data (and expert) parallelism"
+                "decoder LM) under MegatronStrategy: the encoder side runs outside megatron's pipeline and context-"
+                "parallel split; use tensor / data (and expert) parallelism and the distributed optimizer"
             )
 
 

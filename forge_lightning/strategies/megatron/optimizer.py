@@ -93,6 +93,32 @@ def _choose_kernels(optimizer: torch.optim.Optimizer, implementation: str) -> No
         group["foreach"] = implementation == "foreach"
 
 
+def chain_optimizers(*optimizers: Any) -> Any:
+    """One megatron ``ChainedOptimizer`` of ``optimizers`` (each a megatron optimizer or a chain of them): one
+    gradient norm over all their parameters (clipping included), one step, one (sharded) state dict.
+
+    megatron's chain requires one config object for all its parts. Parts may differ only in how their parameters are
+    sharded (``use_distributed_optimizer``, ``overlap_param_gather``), which decides the optimizer class megatron
+    builds and which a built optimizer never reads again, so they take the first part's config; any other
+    difference is an error.
+    """
+    import dataclasses
+
+    from megatron.core.optimizer import ChainedOptimizer
+
+    parts = [inner for opt in optimizers for inner in getattr(opt, "chained_optimizers", [opt])]
+    first = parts[0].config
+    for part in parts[1:]:
+        sharding = {"use_distributed_optimizer": first.use_distributed_optimizer,
+                    "overlap_param_gather": first.overlap_param_gather}  # fmt: skip
+        if dataclasses.replace(part.config, **sharding) != first:
+            raise ValueError(
+                "chained megatron optimizers must share their settings apart from parameter sharding"
+            )
+        part.config = first
+    return ChainedOptimizer(parts)
+
+
 def torch_optimizers(optimizer: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside a megatron (chained) optimizer, whose param groups carry the LR."""
     chained = getattr(optimizer, "chained_optimizers", [optimizer])

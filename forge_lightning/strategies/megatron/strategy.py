@@ -54,7 +54,11 @@ from forge_lightning.strategies.megatron import checkpoint as ckpt
 from forge_lightning.strategies.megatron import model as twin
 from forge_lightning.strategies.megatron.checkpoint import MegatronCheckpointIO
 from forge_lightning.strategies.megatron.components import Components, parse_components
-from forge_lightning.strategies.megatron.optimizer import build_megatron_optimizer, build_schedulers
+from forge_lightning.strategies.megatron.optimizer import (
+    build_megatron_optimizer,
+    build_schedulers,
+    chain_optimizers,
+)
 from forge_lightning.strategies.megatron.schedule import (
     check_interleaved_micro_batches,
     eval_micro_batches,
@@ -315,16 +319,41 @@ class MegatronStrategy(ParallelStrategy):
                 f"gradient_clip_algorithm={trainer.gradient_clip_algorithm!r} is not supported by "
                 "MegatronStrategy; megatron clips by the global norm ('norm')"
             )
-        # A composed model's encoder side (components.py) is optimised with the twin.
-        optimizer = build_megatron_optimizer(
-            self._chunks + self._components.encoder_ddp,
-            module.optimizer_config,
-            use_distributed_optimizer=self.use_distributed_optimizer,
-            overlap_param_gather=self.overlap_param_gather,
+        options = dict(
             clip_grad=float(clip),
             bf16=_bf16(trainer.precision),
             implementation=getattr(getattr(module, "performance", None), "optimizer", "auto"),
         )
+        encoders = self._components.encoder_ddp
+        if encoders and self.use_distributed_optimizer:
+            # A composed model's encoder side reduces its gradients over TP x DP (every rank holds a replica), not
+            # over the DP group the distributed optimizer shards by: it gets its own plain optimizer, chained with
+            # the twin's (one global gradient norm, one step).
+            optimizer = chain_optimizers(
+                build_megatron_optimizer(
+                    self._chunks,
+                    module.optimizer_config,
+                    use_distributed_optimizer=True,
+                    overlap_param_gather=self.overlap_param_gather,
+                    **options,
+                ),
+                build_megatron_optimizer(
+                    encoders,
+                    module.optimizer_config,
+                    use_distributed_optimizer=False,
+                    overlap_param_gather=False,
+                    **options,
+                ),
+            )
+        else:
+            # A composed model's encoder side (components.py) is optimised with the twin.
+            optimizer = build_megatron_optimizer(
+                self._chunks + encoders,
+                module.optimizer_config,
+                use_distributed_optimizer=self.use_distributed_optimizer,
+                overlap_param_gather=self.overlap_param_gather,
+                **options,
+            )
         twin.connect_schedule(self._chunks, optimizer, self._degrees(), self.overlap_grad_reduce)
         self._components.connect(self._chunks)
         total = module.scheduler_config.total_steps or int(trainer.estimated_stepping_batches)
