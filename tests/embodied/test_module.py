@@ -258,7 +258,7 @@ def test_longest_padding_rounds_the_batch_width_and_keeps_every_token(fixture_di
     width = ids.shape[1]
     assert torch.equal(ids, fixed_ids[:, :width]) and torch.equal(mask, fixed_mask[:, :width])
     assert not fixed_mask[:, width:].any()
-    with pytest.raises(ValueError, match="padding must be 'longest' or 'max_length'"):
+    with pytest.raises(ValueError, match="padding must be one of 'longest', 'max_length', not 'left'"):
         PromptTokenizer(tokenizer_dir, 20, padding="left")
 
 

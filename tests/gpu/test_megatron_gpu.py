@@ -54,6 +54,22 @@ def megatron_cuda_world():
     parallel_state.destroy_model_parallel()
 
 
+def assert_same_step(
+    *, expected: torch.nn.Module, actual: torch.nn.Module, batch: dict, dtype: torch.dtype
+) -> None:
+    """One forward step (the schedule's per-token loss) and backward of each twin on ``batch``: the per-token losses
+    and every parameter's gradient agree within ``TOL[dtype]``."""
+    results = []
+    for model in (expected, actual):
+        output, loss_func = schedule.forward_step(-100, iter([batch]), model)
+        loss_func(output)[0].backward()
+        results.append((output.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    loss_tol, grad_tol = TOL[dtype]
+    assert rel_err(results[1][0], results[0][0]) < loss_tol
+    for name, grad in results[0][1].items():
+        assert rel_err(results[1][1][name], grad) < grad_tol, name
+
+
 def _twin(config: LLMConfig, dtype: torch.dtype, *, fused: bool) -> torch.nn.Module:
     from megatron.core.transformer.attention import SelfAttention
 
@@ -89,15 +105,7 @@ def test_fused_twin_matches_megatrons_plain_path(megatron_cuda_world, dtype, tie
     ids = torch.randint(0, config.vocab_size, (3, 256), device="cuda")
     labels = ids.roll(-1, dims=1).masked_fill(torch.rand(3, 256, device="cuda") < 0.1, -100)
     batch = {"input_ids": ids, "labels": labels}
-    outputs = []
-    for model in (plain, fused):
-        output, loss_func = schedule.forward_step(-100, iter([batch]), model)
-        loss_func(output)[0].backward()
-        outputs.append((output.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
-    loss_tol, grad_tol = TOL[dtype]
-    assert rel_err(outputs[1][0], outputs[0][0]) < loss_tol
-    for name, grad in outputs[0][1].items():
-        assert rel_err(outputs[1][1][name], grad) < grad_tol, name
+    assert_same_step(expected=plain, actual=fused, batch=batch, dtype=dtype)
 
 
 def test_fused_adamw_matches_foreach_on_cuda():
@@ -131,12 +139,4 @@ def test_grouped_experts_match_megatrons_loop_on_cuda(megatron_cuda_world, dtype
             layer.mlp.experts.__class__ = SequentialMLP
     ids = torch.randint(0, config.vocab_size, (2, 256), device="cuda")
     batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1)}
-    outputs = []
-    for model in (loop, grouped):
-        output, loss_func = schedule.forward_step(-100, iter([batch]), model)
-        loss_func(output)[0].backward()
-        outputs.append((output.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
-    loss_tol, grad_tol = TOL[dtype]
-    assert rel_err(outputs[1][0], outputs[0][0]) < loss_tol
-    for name, grad in outputs[0][1].items():
-        assert rel_err(outputs[1][1][name], grad) < grad_tol, name
+    assert_same_step(expected=loop, actual=grouped, batch=batch, dtype=dtype)

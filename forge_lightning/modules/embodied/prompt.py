@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from forge_lightning.modules.embodied.config import PROMPT_PADDINGS
+
 
 def discretize_state(state_BS: Tensor, num_bins: int = 256) -> np.ndarray:
     """Bin indices ``[B, S]`` (int) of normalised states: ``i`` for ``-1 + 2 i / num_bins <= x < -1 + 2 (i+1) / num_bins``."""
@@ -64,8 +66,10 @@ class PromptTokenizer:
     ) -> None:
         from transformers import AutoTokenizer
 
-        if padding not in ("longest", "max_length"):
-            raise ValueError(f"padding must be 'longest' or 'max_length', not {padding!r}")
+        if padding not in PROMPT_PADDINGS:
+            raise ValueError(
+                f"padding must be one of {', '.join(map(repr, PROMPT_PADDINGS))}, not {padding!r}"
+            )
         if pad_multiple < 1:
             raise ValueError(f"pad_multiple ({pad_multiple}) must be at least 1")
         self.padding, self.pad_multiple = padding, pad_multiple
