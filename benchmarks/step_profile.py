@@ -3,7 +3,7 @@
 Shared by the throughput benchmarks' ``--profile N`` options and ``profile_llm.py``. :class:`StepProfiler` records
 ``N`` consecutive steps with ``torch.profiler``; :func:`summarize` attributes every CUDA kernel to a bucket
 (:data:`BUCKETS`, from the kernel's name), measures the time the GPU ran no kernel (the step's wall time less the
-union of kernel intervals) and names, for the longest GPU gaps, the innermost host operation running when each
+union of kernel intervals) lists the most expensive kernels, and names, for the longest GPU gaps, the innermost host operation running when each
 began (what the GPU waited for).
 """
 
@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
+TOP_KERNELS = 20  # the most expensive kernels listed per profile
 BUCKETS = ("attention", "gemm", "norm/rope/act", "eager elementwise", "loss", "optimizer", "other")
 
 
@@ -43,6 +44,7 @@ def summarize(profiler: Any, steps: int, wall_s: float, cuda: bool) -> dict[str,
     from torch.autograd import DeviceType
 
     totals: dict[str, float] = {}
+    per_kernel: dict[str, float] = {}
     intervals, host = [], []
     for event in profiler.events():
         on_device = event.device_type == DeviceType.CUDA
@@ -51,9 +53,11 @@ def summarize(profiler: Any, steps: int, wall_s: float, cuda: bool) -> dict[str,
             intervals.append((span.start, span.end))
             kind = kernel_bucket(event.name)
             totals[kind] = totals.get(kind, 0.0) + span.elapsed_us()
+            per_kernel[event.name] = per_kernel.get(event.name, 0.0) + span.elapsed_us()
         elif not on_device and not cuda and event.self_cpu_time_total > 0:
             kind = kernel_bucket(event.name)
             totals[kind] = totals.get(kind, 0.0) + event.self_cpu_time_total
+            per_kernel[event.name] = per_kernel.get(event.name, 0.0) + event.self_cpu_time_total
         elif not on_device:
             host.append(event)
     kernels = {kind: us / 1e3 / steps for kind, us in totals.items()}
@@ -74,6 +78,10 @@ def summarize(profiler: Any, steps: int, wall_s: float, cuda: bool) -> dict[str,
         "ms": kernels,
         "gaps_over_1ms_per_step": sum(1 for gap, _ in gaps if gap > 1e3) / steps,
         "longest_gaps": longest,
+        "top_kernels": [
+            {"kernel": name[:160], "bucket": kernel_bucket(name), "ms": us / 1e3 / steps}
+            for name, us in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+        ],
     }
 
 
@@ -105,6 +113,10 @@ def describe(summary: dict[str, Any]) -> list[str]:
     ]
     lines += [
         f"  GPU gap {g['ms']:.1f} ms while the host ran {g['host_op']}" for g in summary["longest_gaps"]
+    ]
+    lines += [
+        f"  {k['ms']:7.2f} ms  {k['bucket']:<17} {k['kernel'][:110]}"
+        for k in summary.get("top_kernels", [])[:12]
     ]
     return lines
 

@@ -176,7 +176,7 @@ def ring_attention(
 
     Key/value blocks travel around the ring (see the module docstring); every rank's queries meet every block once,
     with the causal sub-mask of the chunk pair (whole, diagonal-causal or skipped). Blocks run on FlashAttention's
-    op on CUDA (fp16 / bf16, head size a multiple of 8 up to 256; not yet run on a GPU, see :class:`_FlashBlock`),
+    op on CUDA (fp16 / bf16, head size a multiple of 8 up to 256, see :class:`_FlashBlock`),
     on plain fp32 matmuls otherwise (CPU, fp32, other head sizes). No dropout, no packed-document masks.
 
     Args:
@@ -439,8 +439,7 @@ class _FlashBlock:
     return the log-sum-exp the merge needs. CUDA only, fp16 / bf16.
 
     The default (CPU) tests check the ops' signatures and shapes on the meta device; the ``gpu``-marked test in
-    ``tests/test_context_parallel.py`` runs these blocks in a simulated ring against SDPA on CUDA (written, not yet
-    run). Key/value heads are expanded to the query heads (the op's backward is only used with equal heads
+    ``tests/test_context_parallel.py`` runs these blocks in a simulated ring against SDPA on CUDA. Key/value heads are expanded to the query heads (the op's backward is only used with equal heads
     here), and values narrower than queries (multi-latent attention) are zero-padded to the query head size.
     """
 

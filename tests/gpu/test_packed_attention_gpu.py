@@ -40,9 +40,16 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.double() - expected.double()).abs().max() / scale).item()
 
 
-def skip_unsupported(backend: str, dtype: torch.dtype) -> None:
-    if backend == "varlen" and dtype != torch.bfloat16:
-        pytest.skip("varlen (FlashAttention) takes fp16 / bf16 only")
+def supported(backends: list[str], dtype_cases: list) -> list:
+    """``(backend, *dtype case)`` parameters, leaving out fp32 with ``varlen`` (FlashAttention takes fp16 / bf16
+    only; ``auto`` picks another backend for fp32, which the ``auto`` cases cover)."""
+    cases = []
+    for backend in backends:
+        for case in dtype_cases:
+            case = case if isinstance(case, tuple) else (case,)
+            if not (backend == "varlen" and case[0] == "fp32"):
+                cases.append((backend, *case))
+    return cases
 
 
 def random_document_ids(
@@ -74,11 +81,11 @@ def run_attention(q, k, v, document_ids, backend, upstream):
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize(("dtype_name", "seq"), [("bf16", 256), ("bf16", 300), ("fp32", 256)])
+@pytest.mark.parametrize(
+    ("backend", "dtype_name", "seq"), supported(BACKENDS, [("bf16", 256), ("bf16", 300), ("fp32", 256)])
+)
 def test_document_attention_matches_sdpa(backend, dtype_name, seq):
     dtype = DTYPES[dtype_name]
-    skip_unsupported(backend, dtype)
     g = torch.Generator().manual_seed(seq)
     B, H, K, D = 2, 4, 2, 64  # the head layout of small_config(), so compiled kernels are shared
     document_ids = random_document_ids(B, seq, g, pad_last_row=23).cuda()
@@ -108,11 +115,9 @@ def small_config() -> LLMConfig:
     )
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+@pytest.mark.parametrize(("backend", "dtype_name"), supported(BACKENDS, ["bf16", "fp32"]))
 def test_decoder_training_step_matches_sdpa(backend, dtype_name):
     dtype = DTYPES[dtype_name]
-    skip_unsupported(backend, dtype)
     torch.manual_seed(0)
     config = small_config()
     g = torch.Generator().manual_seed(1)
@@ -163,11 +168,9 @@ def _samples(lengths, vocab, seed):
     return out
 
 
-@pytest.mark.parametrize("backend", ["sdpa", *BACKENDS])
-@pytest.mark.parametrize("dtype_name", ["bf16", "fp32"])
+@pytest.mark.parametrize(("backend", "dtype_name"), supported(["sdpa", *BACKENDS], ["bf16", "fp32"]))
 def test_causal_lm_packed_loss_equals_unpacked(backend, dtype_name):
     dtype = DTYPES[dtype_name]
-    skip_unsupported(backend, dtype)
     torch.manual_seed(0)
     module = CausalLM(config=small_config().to_hf(), performance={"attention": {"packed": backend}}).to(
         "cuda", dtype
