@@ -9,8 +9,8 @@ Each path is one ``torchrun`` launch on the same GPUs and the same random tokens
   ``forge-fsdp2-rs-bf16`` / ``-rs-fp8`` (``gradient_reduce``), ``forge-fsdp2-delta`` (``param_all_gather:
   delta_fp8``), ``forge-ddp-bf16`` / ``-fp8`` (``comm_hook``); ``forge-ddp-torch-defaults``: DDP with torch's
   bucket defaults. Layout variants: ``forge-fsdp2-keep`` / ``forge-fsdp2-fp8-keep`` (``reshard_after_forward:
-  false``: no backward re-gather, the unsharded weights stay between forward and backward), ``forge-fsdp2-sac``
-  (selective activation checkpointing, for larger micro-batches).
+  false``: no backward re-gather, the unsharded weights stay between forward and backward), ``forge-fsdp2-sac`` /
+  ``forge-fsdp2-fp8-sac`` (selective activation checkpointing, for larger micro-batches).
 - ``hf-fsdp2`` / ``hf-fsdp2-ac``: what a user writes today: the transformers model with ``fully_shard`` per
   decoder layer and on the root (same mixed precision), SDPA attention, optionally gradient checkpointing,
   fused AdamW, a plain loop. ``hf-ddp``: the transformers model under ``DistributedDataParallel`` with bf16
@@ -41,6 +41,8 @@ import sys
 import time
 from pathlib import Path
 
+import step_profile  # this script's directory is on sys.path
+
 PEAK_TFLOPS = 989.0
 # forge path -> (strategy, strategy options, performance section)
 FORGE_PATHS: dict[str, tuple[str, dict, dict]] = {
@@ -53,6 +55,11 @@ FORGE_PATHS: dict[str, tuple[str, dict, dict]] = {
         {"fp8": {"recipe": "tensorwise", "fsdp_all_gather": True}},
     ),
     "forge-fsdp2-sac": ("fsdp2", {}, {"activation_checkpointing": "selective"}),
+    "forge-fsdp2-fp8-sac": (
+        "fsdp2",
+        {},
+        {"fp8": {"recipe": "tensorwise", "fsdp_all_gather": True}, "activation_checkpointing": "selective"},
+    ),
     "forge-fsdp2-rs-bf16": ("fsdp2", {"gradient_reduce": "bf16"}, {}),
     "forge-fsdp2-rs-fp8": ("fsdp2", {"gradient_reduce": "fp8"}, {}),
     "forge-fsdp2-delta": ("fsdp2", {"param_all_gather": "delta_fp8"}, {}),
@@ -82,7 +89,8 @@ def split_path(spec: str) -> tuple[str, int | None]:
 
 # ----- child: one path on every rank -----------------------------------------------------------------------
 def _steps(args) -> int:
-    return args.loss_steps or args.warmup + args.steps
+    """Steps a launch trains: the warm-up, the timed steps and then the ``--profile`` steps (or ``--loss-steps``)."""
+    return args.loss_steps or args.warmup + args.steps + args.profile
 
 
 def _tokens(args, vocab: int, rank: int, world: int):
@@ -101,10 +109,12 @@ def _tokens(args, vocab: int, rank: int, world: int):
 
 
 class _StepTimer:
-    """Wall time of the steps after warm-up, measured with a device sync at both ends."""
+    """Wall time of the ``timed`` steps after warm-up (all the steps after it when ``None``), measured with a
+    device sync at both ends."""
 
-    def __init__(self, warmup: int, device) -> None:
-        self.warmup, self.device, self.start, self.end, self.steps = warmup, device, None, None, 0
+    def __init__(self, warmup: int, device, timed: int | None = None) -> None:
+        self.warmup, self.device, self.timed = warmup, device, timed
+        self.start, self.end, self.steps = None, None, 0
 
     def after_step(self, step: int) -> None:
         import torch
@@ -114,7 +124,7 @@ class _StepTimer:
                 torch.cuda.synchronize()
                 torch.cuda.reset_peak_memory_stats()
             self.start = time.perf_counter()
-        elif step + 1 > self.warmup:
+        elif step + 1 > self.warmup and (self.timed is None or self.steps < self.timed):
             self.steps += 1
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
@@ -123,21 +133,48 @@ class _StepTimer:
 
 def _comm_bytes(strategy, params: int, world: int, steps: int) -> dict:
     """Bytes one rank sends per step for parameters and gradients: counted where a compressed collective ran,
-    from the collective's formula where the exact one did (bf16 all-gathers in forward and backward and an fp32
-    reduce-scatter for FSDP2; an fp32 ring all-reduce for DDP)."""
+    from the collective's formula where the exact one did (FSDP2: :func:`_fsdp_gather_bytes` and an fp32
+    reduce-scatter; DDP: an fp32 ring all-reduce)."""
     from forge_lightning.strategies import FSDP2Strategy
 
     share = (world - 1) / world
     if isinstance(strategy, FSDP2Strategy):
         comm = strategy._comm
-        gather = (
-            comm.all_gather.stats.bytes_sent / steps if comm and comm.all_gather else 2 * share * 2 * params
-        )
+        if comm and comm.all_gather:
+            gather = comm.all_gather.stats.bytes_sent / steps
+        else:
+            gather = share * _fsdp_gather_bytes(strategy.lightning_module, strategy.reshard_after_forward)
         grads = comm.reduce_scatter.bytes_sent / steps if comm and comm.reduce_scatter else share * 4 * params
         return {"param_bytes_per_step": gather, "grad_bytes_per_step": grads}
     state = strategy.comm_state
     grads = state.bytes_sent / steps if state is not None else 2 * share * 4 * params
     return {"param_bytes_per_step": 0.0, "grad_bytes_per_step": grads}
+
+
+def _fsdp_gather_bytes(root, reshard_after_forward) -> float:
+    """Bytes of one step's exact FSDP2 all-gathers, whole-tensor: each ``fully_shard`` unit's parameters once in
+    forward and, if it reshards after forward (blocks with ``reshard_after_forward``; never the root), again in
+    backward; bf16 (2 bytes) or, for weights torchao casts for its float8 all-gather, 1 byte (plus one fp32 scale
+    per tensor, negligible). A rank sends ``(world - 1) / world`` of this."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in root.modules() if isinstance(m, FSDPModule)]
+    total = 0.0
+    for unit in units:
+        inner = {
+            id(p)
+            for sub in unit.modules()
+            if sub is not unit and isinstance(sub, FSDPModule)
+            for p in sub.parameters()
+        }
+        gathers = 2 if unit is not root and reshard_after_forward else 1
+        for param in unit.parameters():
+            if id(param) in inner:
+                continue
+            local = getattr(param, "_local_tensor", param)
+            width = 1 if type(local).__name__.startswith("WeightWithDynamicFloat8") else 2
+            total += gathers * width * param.numel()
+    return total
 
 
 def _run_forge(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
@@ -163,13 +200,17 @@ def _run_forge(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
             module = CausalLM(**hparams)
         strategy = FSDP2Strategy(param_dtype="bf16", reduce_dtype="fp32", **options)
         precision = "32-true"
-    timer = _StepTimer(args.warmup, torch.device(args.device))
+    timed = None if args.loss_steps else args.steps
+    timer = _StepTimer(args.warmup, torch.device(args.device), timed)
+    profile = args.profile if int(os.environ.get("RANK", "0")) == 0 else 0
+    profiler = step_profile.StepProfiler(args.warmup + args.steps, profile, cuda)
     losses = []
 
     class Timing(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(outputs["loss"].detach())
             timer.after_step(batch_idx)
+            profiler.after_step(batch_idx + 1)
 
     batches = [
         {"input_ids": t[:, :-1], "labels": t[:, 1:], "step_tokens": torch.tensor(t[:, 1:].numel())}
@@ -191,6 +232,8 @@ def _run_forge(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
     params = sum(p.numel() for p in module.parameters())
     comm = _comm_bytes(strategy, params, trainer.world_size, len(batches))
+    if profiler.summary:
+        comm["profile"] = profiler.summary
     return timer.end - timer.start, timer.steps, [float(x) for x in losses], comm
 
 
@@ -234,7 +277,7 @@ def _run_hf(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
         # RoPE frequencies are a buffer FSDP does not manage: rebuild them on the device.
         model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.device == "cuda")
-    timer = _StepTimer(args.warmup, device)
+    timer = _StepTimer(args.warmup, device, None if args.loss_steps else args.steps)
     losses = []
     for step, t in enumerate(tokens):
         t = t.to(device)
@@ -385,6 +428,13 @@ def main() -> None:
     )
     parser.add_argument("--data-dir", default="data/quickstart", help="quick-start data (built if missing)")
     parser.add_argument("--eager", action="store_true", help="forge paths without compiled blocks")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        help="forge paths: profile this many steps on rank 0 after the timed ones (GPU kernel time by kind, GPU "
+        "idle time, the most expensive kernels); not counted in the speed columns",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None)
     parser.add_argument("--log-dir", default=None, help="write each launch's full output here")
@@ -426,6 +476,12 @@ def main() -> None:
         else f"{args.steps} timed steps"
     )
     print(f"\n{args.shape}, seq {args.seq}, {what}, {gpu}, torch {meta['torch']}")
+    for r in results:
+        if r.get("profile"):
+            print(
+                f"profile {r['path']}@{r['batch']} on {r['gpus']} GPU(s): "
+                + "\n".join(step_profile.describe(r["profile"]))
+            )
     print(_table(results, loss=bool(args.loss_steps)))
 
 

@@ -21,13 +21,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from llm_throughput import FORGE_PATHS, _build_forge, _random_batches
-from step_profile import BUCKETS, kernel_bucket
+from step_profile import BUCKETS, TOP_KERNELS, kernel_bucket
 
 MATMUL_CEILING_TFLOPS = 798.0  # bf16 torch.matmul measured on this H200
 
 
-def _kernel_ms(fn, repeats: int) -> dict[str, float]:
-    """GPU kernel time per call of ``fn`` by bucket (each kernel counted once, from its device-side event)."""
+def _kernel_ms(fn, repeats: int) -> tuple[dict[str, float], list[dict]]:
+    """GPU kernel time per call of ``fn`` by bucket (each kernel counted once, from its device-side event), and
+    the :data:`~step_profile.TOP_KERNELS` most expensive kernels."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -37,10 +38,17 @@ def _kernel_ms(fn, repeats: int) -> dict[str, float]:
             fn()
         torch.cuda.synchronize()
     totals: dict[str, float] = defaultdict(float)
+    per_kernel: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == DeviceType.CUDA and not event.is_user_annotation:
-            totals[kernel_bucket(event.name)] += event.time_range.elapsed_us() / 1e3 / repeats
-    return dict(totals)
+            ms = event.time_range.elapsed_us() / 1e3 / repeats
+            totals[kernel_bucket(event.name)] += ms
+            per_kernel[event.name] += ms
+    top = [
+        {"kernel": name[:160], "bucket": kernel_bucket(name), "ms": ms}
+        for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
+    ]
+    return dict(totals), top
 
 
 def main() -> None:
@@ -73,7 +81,7 @@ def main() -> None:
         step(tokens)
     torch.cuda.synchronize()
     timed = iter(batches[args.warmup :])
-    step_ms = _kernel_ms(lambda: step(next(timed)), args.steps)
+    step_ms, top_kernels = _kernel_ms(lambda: step(next(timed)), args.steps)
     # The fused loss's GEMMs look like any other GEMM: profile the loss alone on the step's shapes (hidden states
     # in, gradients out) and move its kernels from the name buckets to "loss".
     hidden = torch.randn(args.batch * args.seq, config.hidden_size, device="cuda", dtype=torch.bfloat16)
@@ -85,7 +93,7 @@ def main() -> None:
         fused_linear_cross_entropy(hidden, head, labels, reduction="sum", backend="triton").backward()
 
     loss_only()
-    loss_ms = _kernel_ms(loss_only, args.steps)
+    loss_ms, _ = _kernel_ms(loss_only, args.steps)
     for name, ms in loss_ms.items():
         step_ms[name] = step_ms.get(name, 0.0) - ms
     step_ms["loss"] = sum(loss_ms.values())
@@ -97,12 +105,16 @@ def main() -> None:
         "per_step_ms": step_ms,
         "gpu_ms": gpu_ms,
         "ideal_ms_at_matmul_ceiling": ideal_ms,
+        "top_kernels": top_kernels,
     }
     out = Path(
         args.out or Path(__file__).parent / "results" / f"profile_{args.shape}_{args.seq}_{args.path}.json"
     )
     out.write_text(json.dumps(result, indent=2))
-    print(f"\n{args.shape}, seq {args.seq}, batch {args.batch}, path {args.path}: GPU kernel time per step")
+    print(f"\n{args.shape}, seq {args.seq}, batch {args.batch}, path {args.path}: the most expensive kernels")
+    for k in top_kernels[:15]:
+        print(f"  {k['ms']:7.2f} ms  {k['bucket']:<17} {k['kernel'][:110]}")
+    print(f"GPU kernel time per step ({args.path})")
     print("| bucket | ms / step | share |")
     print("|---|---|---|")
     for name in BUCKETS:

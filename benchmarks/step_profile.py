@@ -13,7 +13,16 @@ import time
 from typing import Any
 
 TOP_KERNELS = 20  # the most expensive kernels listed per profile
-BUCKETS = ("attention", "gemm", "norm/rope/act", "eager elementwise", "loss", "optimizer", "other")
+BUCKETS = (
+    "attention",
+    "gemm",
+    "fp8 cast",
+    "norm/rope/act",
+    "eager elementwise",
+    "loss",
+    "optimizer",
+    "other",
+)
 
 
 def kernel_bucket(kernel: str) -> str:
@@ -23,6 +32,12 @@ def kernel_bucket(kernel: str) -> str:
         return "optimizer"
     if any(key in lowered for key in ("flash", "fmha", "sdpa", "attention", "cudnn")):
         return "attention"
+    if (
+        kernel.startswith("triton_")
+        and not kernel.startswith("triton_tem")
+        and ("scaled_mm" in lowered or "abs_max" in lowered)
+    ):
+        return "fp8 cast"  # compiled amax / scale / cast (and transpose) prologues of float8 GEMMs
     if any(key in lowered for key in ("gemm", "nvjet", "cutlass", "xmma", "sm90", "scaled_mm")):
         return "gemm"
     if kernel.startswith(("triton_", "_rms", "_rope", "_swiglu")):

@@ -127,6 +127,19 @@ def test_hsdp_matches_one_process(runner, name, args):
     _assert_same(runner(name, *args), runner.reference)
 
 
+@pytest.mark.parametrize(
+    ("name", "value", "devices"),
+    [
+        ("fsdp2_keep", "false", 2),  # gathered parameters kept from forward to backward (ZeRO-2-like)
+        ("fsdp2_reshard_to_2", "2", 4),  # resharded to pairs of the 4 ranks after forward
+    ],
+)
+def test_fsdp2_reshard_after_forward_options_match_one_process(runner, name, value, devices):
+    strategy = ["--trainer.strategy", "forge_lightning.strategies.FSDP2Strategy"]
+    option = ["--trainer.strategy.reshard_after_forward", value]
+    _assert_same(runner(name, *strategy, *option, devices=devices, batch=4 // devices), runner.reference)
+
+
 def test_fsdp2_fp8_collectives_stay_close_to_one_process(runner):
     losses = runner(
         "fsdp2_fp8_comm",

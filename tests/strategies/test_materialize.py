@@ -1,5 +1,7 @@
 """Meta-device materialization keeps the model's own initialisation (not torch's per-layer defaults)."""
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -54,3 +56,15 @@ def test_no_meta_tensors_is_a_no_op():
     before = model.weight.clone()
     materialize_module(model, torch.device("cpu"))
     assert torch.equal(model.weight, before)
+
+
+def test_tied_head_stays_the_embedding():
+    """A tied output head is still the embedding matrix after materialization (one parameter, trained once)."""
+    config = dataclasses.replace(_tiny(), tie_word_embeddings=True)
+    with torch.device("meta"):
+        model = DecoderLM(config)
+    materialize_module(model, torch.device("cpu"))
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert sum(p.numel() for p in model.parameters()) == sum(
+        p.numel() for name, p in model.named_parameters() if name != "lm_head.weight"
+    )
