@@ -1,4 +1,5 @@
-"""2-process worker: the MoE twins at EP = 2 (DP = 2), TP = 2 with sequence parallelism and PP = 2; writes, on
+"""2-process worker: the MoE twins at EP = 2 (DP = 2), TP = 2 with sequence parallelism (experts split over TP, or
+whole with ETP = 1 and split over the TP ranks by EP = 2) and PP = 2; writes, on
 rank 0, each run's loss, tracked router losses and gradients (Hugging Face names) for the test to compare with the
 native model.
 
@@ -23,6 +24,13 @@ from moe_reference import build_twin, megatron_run, micro_batches, moe_config, n
 LAYOUTS = {
     "ep2": dict(expert_model_parallel_size=2),
     "tp2_sp": dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    "tp2_sp_etp1_ep2": dict(
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_tensor_parallel_size=1,
+        expert_model_parallel_size=2,
+    ),
+    "tp2_sp_etp1": dict(tensor_model_parallel_size=2, sequence_parallel=True, expert_tensor_parallel_size=1),
     "pp2": dict(pipeline_model_parallel_size=2),
 }
 
@@ -35,6 +43,7 @@ def main(out: Path, names: list[str]) -> None:
             tensor_model_parallel_size=degrees.get("tensor_model_parallel_size", 1),
             pipeline_model_parallel_size=degrees.get("pipeline_model_parallel_size", 1),
             expert_model_parallel_size=degrees.get("expert_model_parallel_size", 1),
+            expert_tensor_parallel_size=degrees.get("expert_tensor_parallel_size"),
         )
         model_parallel_cuda_manual_seed(0)  # megatron's RNG tracker (sequence-parallel embedding dropout)
         dp_rank, dp_size = (

@@ -122,7 +122,8 @@ def test_expert_tensor_and_pipeline_parallel_match_native(tmp_path):
     out = tmp_path / "runs.pt"
     torchrun(HERE / "moe_worker.py", out, *names)
     runs = torch.load(out, weights_only=False)
-    assert sorted(runs) == sorted((layout, n) for layout in ("ep2", "tp2_sp", "pp2") for n in names)
+    layouts = ("ep2", "tp2_sp", "tp2_sp_etp1_ep2", "tp2_sp_etp1", "pp2")
+    assert sorted(runs) == sorted((layout, n) for layout in layouts for n in names)
     for (layout, name), run in runs.items():
         config = moe_config(name)
         ref = native_reference(native_model(config), micro_batches(config, 2))
@@ -165,7 +166,7 @@ def test_unsupported_layouts_and_models_are_refused():
         assert transformer_config(LLMConfig.from_preset(preset)).moe_router_group_topk is not None
     degrees = {**_ONE_PROCESS, "expert_model_parallel_size": 2}
     with pytest.raises(
-        ValueError, match=r"expert_model_parallel_size \(2\) must divide the data-parallel size"
+        ValueError, match=r"expert_model_parallel_size \(2\) x expert_tensor_parallel_size \(2\) must divide"
     ):
         validate_degrees(2, {**degrees, "tensor_model_parallel_size": 2})
     assert validate_degrees(4, {**degrees, "tensor_model_parallel_size": 2}) == 2
@@ -173,10 +174,40 @@ def test_unsupported_layouts_and_models_are_refused():
         _check_experts(LLMConfig.from_preset("debug"), 2)
     with pytest.raises(ValueError, match=r"must divide moe.num_experts \(8\)"):
         _check_experts(moe, 3)
-    meta = {"megatron": {"layout": {"expert_model_parallel_size": 2}, "optimizer": {"distributed": False}}}
-    with pytest.raises(ValueError, match="does not resume across EP = 1 and EP > 1"):
-        check_expert_layout(Path("ckpt"), meta, 1)
-    check_expert_layout(Path("ckpt"), meta, 4)  # both with expert parallelism: the same optimizer layout
+    with pytest.raises(
+        ValueError, match=r"expert_tensor_parallel_size \(3\) must divide moe.intermediate_size"
+    ):
+        _check_experts(moe, 1, 3)
+    with pytest.raises(
+        ValueError, match=r"expert_tensor_parallel_size \(2\) needs a mixture-of-experts model"
+    ):
+        _check_experts(LLMConfig.from_preset("debug"), 1, 2)
+    etp1 = {
+        **degrees,
+        "tensor_model_parallel_size": 2,
+        "expert_tensor_parallel_size": 1,
+        "sequence_parallel": True,
+    }
+    assert validate_degrees(2, etp1) == 1  # EP = 2 laid over the two TP ranks
+    with pytest.raises(ValueError, match=r"\(2\) x expert_tensor_parallel_size \(2\) must divide"):
+        validate_degrees(2, {**etp1, "expert_tensor_parallel_size": 2})
+
+    def layout(ep: int, tp: int = 1, etp: int | None = None) -> dict:
+        return {
+            "expert_model_parallel_size": ep,
+            "tensor_model_parallel_size": tp,
+            "expert_tensor_parallel_size": etp,
+        }
+
+    meta = {"megatron": {"layout": layout(2), "optimizer": {"distributed": False}}}
+    with pytest.raises(ValueError, match="does not resume across that change"):
+        check_expert_layout(Path("ckpt"), meta, layout(1))
+    check_expert_layout(
+        Path("ckpt"), meta, layout(4)
+    )  # both with expert parallelism: the same optimizer layout
+    check_expert_layout(Path("ckpt"), meta, layout(1, tp=2, etp=1))  # experts apart through ETP != TP
+    with pytest.raises(ValueError, match="does not resume across that change"):
+        check_expert_layout(Path("ckpt"), meta, layout(1, tp=2, etp=2))
 
 
 # ------------------------------------------------------------------------------------- the strategy, end to end
@@ -230,7 +261,8 @@ TP2_SP += ["--trainer.strategy.sequence_parallel", "true"]
 
 def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path):
     """``forge fit`` of a Qwen2-MoE (one dense, one MoE layer with a gated shared expert, the router z-loss) with
-    MegatronStrategy at EP = 2 on 2 processes reproduces the default strategy's losses on one process.
+    MegatronStrategy at EP = 2, and at TP = 2 with sequence parallelism and whole experts (ETP = 1), on 2 processes
+    reproduces the default strategy's losses on one process.
 
     The load-balancing loss is off here: it is not linear in the tokens (a batch's is not the mean of its halves'),
     so DP = 2 and one process differ with it; the two-process worker test covers it at EP = 2 against the native
@@ -241,6 +273,11 @@ def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path)
     reference = _fit(tmp_path, tiny_corpus, config, "reference", devices=1, batch=4)
     rows = _fit(tmp_path, tiny_corpus, config, "ep2", *EP2, devices=2, batch=2)
     _assert_same_losses(rows, reference, "ep2")
+    # Whole experts on both TP ranks (ETP = 1, EP = 1): their gradients are reduced across the TP ranks, which
+    # routed different tokens, and they get megatron's separate expert optimizer.
+    etp1 = [*TP2_SP, "--trainer.strategy.expert_tensor_parallel_size", "1"]
+    rows = _fit(tmp_path, tiny_corpus, config, "tp2_sp_etp1", *etp1, devices=2, batch=4)
+    _assert_same_losses(rows, reference, "tp2_sp_etp1")
 
 
 def test_strategy_fit_of_deepseek_v3_matches_one_process(tiny_corpus, tmp_path):

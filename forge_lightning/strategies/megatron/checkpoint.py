@@ -133,9 +133,9 @@ def _optimizer_state(optimizer: Any, model_state: dict[str, Any], is_loading: bo
         )
     if len(members) > 1:
         raise NotImplementedError(
-            "checkpoints of a bf16 run whose megatron optimizer is chained (expert parallelism) and steps fp32 "
-            "parameters (a composed model's encoder side) are not yet supported; train with "
-            "expert_model_parallel_size=1 or precision 32-true"
+            "checkpoints of a bf16 run whose megatron optimizer is chained (expert parallelism or ETP != TP) and "
+            "steps fp32 parameters (a composed model's encoder side) are not yet supported; train with "
+            "expert_model_parallel_size=1 and the default expert_tensor_parallel_size, or precision 32-true"
         )
     return _mixed_float16_state(mixed[0], model_state, is_loading)
 
@@ -390,20 +390,30 @@ def check_optimizer_kind(path: Path, meta: Mapping[str, Any], kind: Mapping[str,
     )
 
 
-def check_expert_layout(path: Path, meta: Mapping[str, Any], ep: int) -> None:
-    """Raise ``ValueError`` when the optimizer state was written with expert parallelism and this run has none, or
-    the reverse: megatron-core gives the experts their own optimizer only when ``expert_model_parallel_size > 1``
-    (their gradients are reduced over another group), so the two store the optimizer state under other names."""
+def check_expert_layout(path: Path, meta: Mapping[str, Any], degrees: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` when the optimizer state was written with the experts' optimizer kept apart and this run
+    does not keep it apart, or the reverse: megatron-core gives the experts an optimizer of their own when their
+    gradients are reduced over another group (:func:`~.model.experts_apart`: EP > 1, or ETP ≠ TP), and the two
+    store the optimizer state under other names."""
+    from forge_lightning.strategies.megatron.model import experts_apart
+
     info = meta.get(INFO_KEY, {})
-    saved = (info.get("layout") or {}).get("expert_model_parallel_size", 1)
-    if info.get("optimizer") is None or (saved > 1) == (ep > 1):
+    layout = info.get("layout") or {}
+    saved = {
+        "expert_model_parallel_size": layout.get("expert_model_parallel_size", 1),
+        "expert_tensor_parallel_size": layout.get("expert_tensor_parallel_size"),
+        "tensor_model_parallel_size": layout.get("tensor_model_parallel_size", 1),
+    }
+    if info.get("optimizer") is None or experts_apart(saved) == experts_apart(degrees):
         return
+    written = ", ".join(f"{k}={v}" for k, v in saved.items())
+    now = ", ".join(f"{k}={degrees.get(k)}" for k in saved)
     raise ValueError(
-        f"{path} was written with expert_model_parallel_size={saved}, this run has {ep}: megatron-core keeps the "
-        "experts' optimizer state apart only when expert parallelism is on, so it does not resume across EP = 1 "
-        "and EP > 1. Resume with expert_model_parallel_size "
-        f"{'> 1' if saved > 1 else '= 1'}, or take its weights only (forge validate / test --ckpt_path, or "
-        "forge-convert megatron-to-hf and model.init_args.pretrained)"
+        f"{path} was written with {written}; this run has {now}: megatron-core keeps the experts' optimizer "
+        "state apart only with expert parallelism or an expert tensor-parallel size other than TP, so it does "
+        "not resume across that change. Resume with a layout that "
+        f"{'keeps' if experts_apart(saved) else 'does not keep'} the experts apart, or take its weights only "
+        "(forge validate / test --ckpt_path, or forge-convert megatron-to-hf and model.init_args.pretrained)"
     )
 
 
@@ -434,6 +444,7 @@ def describe_layout(meta: Mapping[str, Any]) -> str:
         f"VPP={layout.get('virtual_pipeline_model_parallel_size') or 1}",
         f"DP={layout.get('data_parallel_size', 1)}",
         f"EP={layout.get('expert_model_parallel_size', 1)}",
+        f"ETP={layout.get('expert_tensor_parallel_size') or layout.get('tensor_model_parallel_size', 1)}",
     ]
     return f"written at {' '.join(degrees)} by {info.get('world_size', '?')} processes"
 

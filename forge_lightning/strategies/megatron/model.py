@@ -28,21 +28,22 @@ def validate_degrees(world_size: int, degrees: dict[str, Any]) -> int:
     """
     tp, pp = degrees["tensor_model_parallel_size"], degrees["pipeline_model_parallel_size"]
     vpp, ep = degrees["virtual_pipeline_model_parallel_size"], degrees["expert_model_parallel_size"]
-    cp = degrees["context_parallel_size"]
+    cp, etp = degrees["context_parallel_size"], degrees.get("expert_tensor_parallel_size") or tp
     named = ", ".join(f"{k}={v}" for k, v in degrees.items()) + f", world size={world_size}"
-    if min(tp, pp, cp, ep) < 1 or (vpp is not None and vpp < 1):
+    if min(tp, pp, cp, ep, etp) < 1 or (vpp is not None and vpp < 1):
         raise ValueError(f"every parallel degree must be at least 1: {named}")
     if world_size % (tp * pp * cp):
         raise ValueError(
             f"tensor x pipeline model parallel x context parallel size must divide the world size: {named}"
         )
-    if (world_size // (tp * pp)) % ep:
-        # megatron-core lays the expert-parallel ranks over the data- and context-parallel ones (each
-        # expert-parallel group splits the experts over EP ranks of one TP / PP position), so EP must divide
-        # DP x CP = world / (TP x PP).
+    if (world_size // pp) % (ep * etp):
+        # megatron-core lays the experts out on a grid of its own over each pipeline stage's TP x DP x CP ranks:
+        # ETP ranks split an expert's width, EP ranks split the experts, the rest replicate them (expert data
+        # parallelism). With ETP = TP (the default) that is: EP divides DP x CP.
         raise ValueError(
-            f"expert_model_parallel_size ({ep}) must divide the data-parallel size times the context-parallel "
-            f"size, world / (tensor x pipeline model parallel size) = {world_size // (tp * pp)}: {named}"
+            f"expert_model_parallel_size ({ep}) x expert_tensor_parallel_size ({etp}) must divide the ranks of a "
+            f"pipeline stage, tensor x data x context parallel size = world / pipeline model parallel size = "
+            f"{world_size // pp}: {named}"
         )
     if vpp is not None and vpp > 1 and pp == 1:
         raise ValueError(
@@ -128,7 +129,7 @@ def build_chunks(
             f"num_layers ({config.num_layers}) must be divisible by pipeline_model_parallel_size ({pp}) x "
             f"virtual_pipeline_model_parallel_size ({vpp})"
         )
-    _check_experts(config, degrees["expert_model_parallel_size"])
+    _check_experts(config, degrees["expert_model_parallel_size"], degrees.get("expert_tensor_parallel_size"))
     use_te = use_transformer_engine
     if use_te is None:  # multi-latent attention: always the local spec (see gpt_decoder_spec)
         use_te = transformer_engine_available() and config.mla is None
@@ -148,6 +149,7 @@ def build_chunks(
         pipeline_model_parallel_size=pp,
         context_parallel_size=degrees["context_parallel_size"],
         expert_model_parallel_size=degrees["expert_model_parallel_size"],
+        expert_tensor_parallel_size=degrees.get("expert_tensor_parallel_size"),
         virtual_pipeline_model_parallel_size=degrees["virtual_pipeline_model_parallel_size"],
         sequence_parallel=degrees["sequence_parallel"],
         pipeline_dtype=torch.bfloat16 if bf16 else torch.float32,
@@ -228,20 +230,51 @@ def check_ulysses_heads(
     )
 
 
-def _check_experts(config: LLMConfig, ep: int) -> None:
-    """Raise ``ValueError`` unless ``expert_model_parallel_size`` fits the model's experts."""
-    if ep == 1:
+def _check_experts(config: LLMConfig, ep: int, etp: int | None = None) -> None:
+    """Raise ``ValueError`` unless ``expert_model_parallel_size`` and ``expert_tensor_parallel_size`` (``None``:
+    TP, checked with the other TP constraints) fit the model's experts."""
+    if ep == 1 and etp is None:
         return
     if config.moe is None or not config.num_moe_layers:
+        option = f"expert_model_parallel_size ({ep})" if ep > 1 else f"expert_tensor_parallel_size ({etp})"
         raise ValueError(
-            f"expert_model_parallel_size ({ep}) needs a mixture-of-experts model; {config.architecture} has no "
-            "experts (use expert_model_parallel_size=1)"
+            f"{option} needs a mixture-of-experts model; {config.architecture} has no experts (leave the expert "
+            "options at their defaults)"
+        )
+    if etp is not None and config.moe.intermediate_size % etp:
+        raise ValueError(
+            f"expert_tensor_parallel_size ({etp}) must divide moe.intermediate_size ({config.moe.intermediate_size}):"
+            " each expert-tensor-parallel rank holds an equal slice of every expert's width"
         )
     if config.moe.num_experts % ep:
         raise ValueError(
             f"expert_model_parallel_size ({ep}) must divide moe.num_experts ({config.moe.num_experts}): each "
             "expert-parallel rank holds the same number of experts"
         )
+
+
+def experts_apart(degrees: dict[str, Any]) -> bool:
+    """Whether the routed experts' gradients are reduced over a group of their own (megatron's expert data-parallel
+    group) rather than the data-parallel one: with expert parallelism, or with an expert tensor-parallel size other
+    than TP (the TP ranks then hold whole or differently split experts and route different tokens to them)."""
+    etp = degrees.get("expert_tensor_parallel_size")
+    return degrees["expert_model_parallel_size"] > 1 or (
+        etp is not None and etp != degrees["tensor_model_parallel_size"]
+    )
+
+
+def _mark_expert_parameters(chunk: nn.Module) -> None:
+    """Tag every routed expert's parameters for megatron's expert data-parallel group (``allreduce = False``).
+
+    megatron-core 0.16 tags them only when ``expert_model_parallel_size > 1``; with EP = 1 and ETP ≠ TP its DDP
+    would then reduce the experts' gradients over the data-parallel ranks only and miss the TP ranks that routed
+    other tokens to the same experts. Its optimizer and gradient norm follow the same tag."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    for module in chunk.modules():
+        if isinstance(module, MoELayer):
+            for param in module.experts.parameters():
+                param.allreduce = False
 
 
 def wrap_ddp(
@@ -265,6 +298,8 @@ def wrap_ddp(
     )
     wrapped = []
     for i, chunk in enumerate(chunks):
+        if experts_apart(degrees):
+            _mark_expert_parameters(chunk)
         # Only the first chunk is bucketed: later chunks' gradients are ready last in backward anyway.
         ddp = DistributedDataParallel(unwrap(chunk).config, ddp_config, chunk, disable_bucketing=i > 0)
         ddp.broadcast_params()

@@ -89,7 +89,10 @@ class MegatronStrategy(ParallelStrategy):
         hierarchical_context_parallel_sizes: ``[a2a, p2p]`` group sizes of ``a2a+p2p`` (product: CP); megatron-core
             builds the groups (needs einops).
         expert_model_parallel_size: EP ranks splitting each MoE layer's routed experts (all-to-all token
-            dispatch); must divide DP × CP and ``moe.num_experts``. 1 for dense models.
+            dispatch); EP × ETP must divide TP × DP × CP, EP must divide ``moe.num_experts``. 1 for dense models.
+        expert_tensor_parallel_size: ETP ranks splitting each routed expert's width (``None``: TP, megatron-core's
+            default); e.g. 1 with TP = 2 keeps experts whole and lays EP or expert data parallelism over the TP
+            ranks. Must divide the experts' ``moe.intermediate_size``.
         use_distributed_optimizer: shard optimizer state and fp32 main weights over data-parallel ranks.
         overlap_grad_reduce: overlap the gradient reduce(-scatter) with backward (bucketed).
         overlap_param_gather: overlap the DistributedOptimizer's parameter all-gather with the next forward.
@@ -117,6 +120,7 @@ class MegatronStrategy(ParallelStrategy):
         cp_comm_type: str = "a2a",
         hierarchical_context_parallel_sizes: list[int] | None = None,
         expert_model_parallel_size: int = 1,
+        expert_tensor_parallel_size: int | None = None,
         use_distributed_optimizer: bool = False,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
@@ -134,6 +138,7 @@ class MegatronStrategy(ParallelStrategy):
         self.cp_comm_type = cp_comm_type
         self.hierarchical_context_parallel_sizes = hierarchical_context_parallel_sizes
         self.expert_model_parallel_size = expert_model_parallel_size
+        self.expert_tensor_parallel_size = expert_tensor_parallel_size
         self.use_distributed_optimizer = use_distributed_optimizer
         self.overlap_grad_reduce = overlap_grad_reduce
         self.overlap_param_gather = overlap_param_gather
@@ -197,6 +202,7 @@ class MegatronStrategy(ParallelStrategy):
             virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
             context_parallel_size=self.context_parallel_size,
             expert_model_parallel_size=self.expert_model_parallel_size,
+            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
             hierarchical_context_parallel_sizes=self.hierarchical_context_parallel_sizes,
         )
         model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
@@ -204,7 +210,8 @@ class MegatronStrategy(ParallelStrategy):
         rank_zero_info(
             f"{type(self).__name__}: TP={self.tensor_model_parallel_size} x PP={self.pipeline_model_parallel_size}"
             f" (VPP={self.virtual_pipeline_model_parallel_size or 1}) x CP={self.context_parallel_size} x DP={dp} (EP="
-            f"{self.expert_model_parallel_size}) over {self.world_size} processes; cp_comm_type={self.cp_comm_type}, "
+            f"{self.expert_model_parallel_size}, ETP={self.expert_tensor_parallel_size or self.tensor_model_parallel_size})"
+            " over {self.world_size} processes; cp_comm_type={self.cp_comm_type}, "
             f"sequence_parallel={self.sequence_parallel}, distributed optimizer={self.use_distributed_optimizer}"
         )
 
@@ -217,6 +224,7 @@ class MegatronStrategy(ParallelStrategy):
             "cp_comm_type": self.cp_comm_type,
             "hierarchical_context_parallel_sizes": self.hierarchical_context_parallel_sizes,
             "expert_model_parallel_size": self.expert_model_parallel_size,
+            "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
             "sequence_parallel": self.sequence_parallel,
             "overlap_param_gather": self.overlap_param_gather,
             "use_distributed_optimizer": self.use_distributed_optimizer,
@@ -535,7 +543,7 @@ class MegatronStrategy(ParallelStrategy):
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         if optimizer is not None:
             ckpt.check_optimizer_kind(path, meta, self._optimizer_kind())
-            ckpt.check_expert_layout(path, meta, self.expert_model_parallel_size)
+            ckpt.check_expert_layout(path, meta, self._degrees())
             ckpt.check_frozen(path, meta, parts.frozen())
         encoders = parts.encoder_modules()
         template = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=True, components=encoders)
