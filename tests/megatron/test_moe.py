@@ -241,11 +241,14 @@ def _fit(
     return _metrics(root, name)
 
 
+LOGGED = ("train/loss", "train/router_z_loss")
+
+
 def _assert_same_losses(
     rows: list[dict[str, str]],
     reference: list[dict[str, str]],
     layout: str,
-    keys: tuple[str, ...] = ("train/loss", "train/router_z_loss"),
+    keys: tuple[str, ...] = LOGGED,
 ) -> None:
     for key in keys:
         got, want = _column(rows, key), _column(reference, key)
@@ -261,8 +264,8 @@ TP2_SP += ["--trainer.strategy.sequence_parallel", "true"]
 
 def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path):
     """``forge fit`` of a Qwen2-MoE (one dense, one MoE layer with a gated shared expert, the router z-loss) with
-    MegatronStrategy at EP = 2, and at TP = 2 with sequence parallelism and whole experts (ETP = 1), on 2 processes
-    reproduces the default strategy's losses on one process.
+    MegatronStrategy at EP = 2, at TP = 2 with sequence parallelism and whole experts (ETP = 1), and at PP = 2, on 2
+    processes reproduces the default strategy's losses and expert load on one process.
 
     The load-balancing loss is off here: it is not linear in the tokens (a batch's is not the mean of its halves'),
     so DP = 2 and one process differ with it; the two-process worker test covers it at EP = 2 against the native
@@ -272,12 +275,17 @@ def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path)
     config.moe.aux_loss_coef = 0.0
     reference = _fit(tmp_path, tiny_corpus, config, "reference", devices=1, batch=4)
     rows = _fit(tmp_path, tiny_corpus, config, "ep2", *EP2, devices=2, batch=2)
-    _assert_same_losses(rows, reference, "ep2")
+    # The expert load of the global batch: natively that of the one process's forward, here summed over ranks.
+    _assert_same_losses(rows, reference, "ep2", keys=(*LOGGED, "moe/expert_load_max_over_mean"))
     # Whole experts on both TP ranks (ETP = 1, EP = 1): their gradients are reduced across the TP ranks, which
     # routed different tokens, and they get megatron's separate expert optimizer.
     etp1 = [*TP2_SP, "--trainer.strategy.expert_tensor_parallel_size", "1"]
     rows = _fit(tmp_path, tiny_corpus, config, "tp2_sp_etp1", *etp1, devices=2, batch=4)
-    _assert_same_losses(rows, reference, "tp2_sp_etp1")
+    _assert_same_losses(rows, reference, "tp2_sp_etp1", keys=(*LOGGED, "moe/expert_load_max_over_mean"))
+    # Two stages, the MoE layer on the second only: every stage joins the metrics' pipeline reduction.
+    pp2 = ["--trainer.strategy", STRATEGY, "--trainer.strategy.pipeline_model_parallel_size", "2"]
+    rows = _fit(tmp_path, tiny_corpus, config, "pp2", *pp2, devices=2, batch=4)
+    _assert_same_losses(rows, reference, "pp2", keys=(*LOGGED, "moe/expert_load_max_over_mean"))
 
 
 def test_strategy_fit_of_deepseek_v3_matches_one_process(tiny_corpus, tmp_path):

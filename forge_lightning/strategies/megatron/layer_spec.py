@@ -303,7 +303,22 @@ class MegatronTopKRouter(TopKRouter):
     """megatron's ``TopKRouter`` whose selection bias (``expert_bias``, sigmoid routing) and its token counts stay
     fp32 when the model is cast (``Float16Module``), as natively: the biases are small differences between scores in
     [0, 1], and rounding them to bf16 changes which experts win (megatron casts them back to fp32 only after the
-    rounding)."""
+    rounding).
+
+    In training it also counts the tokens it routes to each expert (``step_tokens_per_expert``, ``[experts]``
+    fp32, summed over the forwards since :func:`~.schedule.expert_load_metrics` last read and cleared it).
+    """
+
+    step_tokens_per_expert: Tensor | None = None
+
+    def forward(self, input: Tensor, *args: Any, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        probs, routing_map = super().forward(input, *args, **kwargs)
+        # Not when activation recomputation re-runs the layer inside backward (the autograd engine's task).
+        if self.training and torch._C._current_graph_task_id() == -1:
+            counts_E = routing_map.detach().sum(dim=0, dtype=torch.float32)
+            seen = self.step_tokens_per_expert
+            self.step_tokens_per_expert = counts_E if seen is None else seen + counts_E
+        return probs, routing_map
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> MegatronTopKRouter:
         kept = {name: getattr(self, name, None) for name in ("expert_bias", "local_tokens_per_expert")}

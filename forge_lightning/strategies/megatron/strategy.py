@@ -62,6 +62,7 @@ from forge_lightning.strategies.megatron.optimizer import (
 from forge_lightning.strategies.megatron.schedule import (
     check_interleaved_micro_batches,
     eval_micro_batches,
+    expert_load_metrics,
     forward_step,
     router_loss_metrics,
     run_schedule,
@@ -390,7 +391,12 @@ class MegatronStrategy(ParallelStrategy):
         loss = (sums[0] / sums[1].clamp_min(1)).float()
         self.lightning_module.log("train/loss", loss, prog_bar=True, rank_zero_only=True)
         config = twin.unwrap(self._chunks[0]).config
-        for name, value in router_loss_metrics(config, len(batches)).items():  # MoE models only
+        device = next(self._chunks[0].parameters()).device
+        metrics = {
+            **router_loss_metrics(config, len(batches), device),
+            **expert_load_metrics(config, self._chunks),
+        }
+        for name, value in metrics.items():  # MoE models only
             self.lightning_module.log(name, value, rank_zero_only=True)
         return loss
 
