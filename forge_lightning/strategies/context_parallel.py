@@ -439,8 +439,9 @@ class _FlashBlock:
     return the log-sum-exp the merge needs. CUDA only, fp16 / bf16.
 
     The default (CPU) tests check the ops' signatures and shapes on the meta device; the ``gpu``-marked test in
-    ``tests/test_context_parallel.py`` runs these blocks in a simulated ring against SDPA on CUDA. Key/value heads are expanded to the query heads (the op's backward is only used with equal heads
-    here), and values narrower than queries (multi-latent attention) are zero-padded to the query head size.
+    ``tests/test_context_parallel.py`` runs these blocks in a simulated ring against SDPA on CUDA. Key/value heads
+    are expanded to the query heads (the op's backward is only used with equal heads here), and values narrower
+    than queries (multi-latent attention) are zero-padded to the query head size.
     """
 
     @staticmethod

@@ -280,9 +280,8 @@ def expert_load_metrics(config: Any, chunks: list[nn.Module]) -> dict[str, Tenso
     counts = [r.step_tokens_per_expert for r in routers if r.step_tokens_per_expert is not None]
     for router in routers:
         router.step_tokens_per_expert = None
-    total = torch.zeros(
-        2, device=next(chunks[0].parameters()).device
-    )  # (sum of the layers' ratios, layers): stages without MoE layers add 0
+    # (sum of the layers' ratios, number of layers): a stage without MoE layers adds zeros
+    total = torch.zeros(2, device=next(chunks[0].parameters()).device)
     if counts:
         counts_LE = torch.stack(counts)
         torch.distributed.all_reduce(counts_LE, group=parallel_state.get_tensor_and_context_parallel_group())

@@ -212,7 +212,7 @@ class MegatronStrategy(ParallelStrategy):
             f"{type(self).__name__}: TP={self.tensor_model_parallel_size} x PP={self.pipeline_model_parallel_size}"
             f" (VPP={self.virtual_pipeline_model_parallel_size or 1}) x CP={self.context_parallel_size} x DP={dp} (EP="
             f"{self.expert_model_parallel_size}, ETP={self.expert_tensor_parallel_size or self.tensor_model_parallel_size})"
-            " over {self.world_size} processes; cp_comm_type={self.cp_comm_type}, "
+            f" over {self.world_size} processes; cp_comm_type={self.cp_comm_type}, "
             f"sequence_parallel={self.sequence_parallel}, distributed optimizer={self.use_distributed_optimizer}"
         )
 
