@@ -474,6 +474,7 @@ def _fsdp_args(args) -> argparse.Namespace:
         lr=args.lr,
         loss_steps=0,
         eager=False,
+        profile=0,
         device=args.device,
     )
 
