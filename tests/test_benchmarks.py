@@ -1,0 +1,56 @@
+"""The throughput benchmarks' CPU script checks: each script runs end to end at a tiny size (gloo for the
+multi-process ones) and writes rows without errors, so a change to the code they share breaks a test, not the next
+GPU run. The numbers themselves mean nothing on a CPU; the byte formula of FSDP2's all-gathers is checked exactly.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+BENCHMARKS = REPO / "benchmarks"
+
+
+def _run(script: str, *args: str, out: Path) -> list[dict]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, str(BENCHMARKS / script), "--device", "cpu", *args, "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["results"]
+    failed = [r for r in rows if "error" in r]
+    assert not failed, failed
+    return rows
+
+
+def test_llm_throughput_script_runs(tmp_path):
+    args = ["--shape", "debug", "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1"]
+    rows = _run("llm_throughput.py", *args, "--paths", "forge", "hf-eager", out=tmp_path / "llm.json")
+    assert [r["path"] for r in rows] == ["forge", "hf-eager"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+
+
+def test_fsdp_throughput_script_counts_gather_bytes_and_profiles(tmp_path):
+    """Two gloo ranks; the debug model's 2 blocks hold 73,984 parameters, the root (embedding, head, norm) 32,832:
+    a rank sends half of each all-gather, blocks gathered twice per step unless kept from forward to backward, the
+    root once; gradients are reduce-scattered in fp32."""
+    args = ["--gpus", "2", "--shape", "debug", "--seq", "64", "--batch", "2", "--warmup", "2", "--steps", "2"]
+    args += ["--profile", "1", "--paths", "forge-fsdp2", "forge-fsdp2-keep"]
+    rows = {r["path"]: r for r in _run("fsdp_throughput.py", *args, out=tmp_path / "fsdp.json")}
+    blocks, root = 73_984, 32_832
+    assert rows["forge-fsdp2"]["param_bytes_per_step"] == 0.5 * 2 * (2 * blocks + root)
+    assert rows["forge-fsdp2-keep"]["param_bytes_per_step"] == 0.5 * 2 * (blocks + root)
+    assert rows["forge-fsdp2"]["grad_bytes_per_step"] == 0.5 * 4 * (blocks + root)
+    profile = rows["forge-fsdp2"]["profile"]
+    assert profile["steps"] == 1 and profile["top_kernels"], profile
+
+
+def test_megatron_throughput_script_runs_its_fsdp2_and_megatron_paths(tmp_path):
+    args = ["--model", "debug", "--seq", "64", "--batch", "2", "--warmup", "2", "--steps", "2"]
+    args += ["--paths", "forge-megatron", "forge-fsdp2"]
+    rows = _run("megatron_throughput.py", *args, out=tmp_path / "megatron.json")
+    assert [r["path"] for r in rows] == ["forge-megatron", "forge-fsdp2"]
+    assert all(r["tokens_per_s"] > 0 and torch.isfinite(torch.tensor(r["last_loss"])) for r in rows)
