@@ -222,21 +222,41 @@ def _column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
 
 
 def _fit(
-    root: Path, corpus: dict[str, Path], config: LLMConfig, name: str, *args: str, devices: int, batch: int
+    root: Path,
+    corpus: dict[str, Path],
+    config: LLMConfig,
+    name: str,
+    *args: str,
+    devices: int,
+    batch: int,
+    steps: int = 3,
+    save_every: int = 0,
+    expect_error: str | None = None,
 ) -> list[dict[str, str]]:
-    """``forge fit`` of the tiny YAML with ``config`` for 3 steps (no validation); its logged metrics."""
+    """``forge fit`` of the tiny YAML with ``config`` for ``steps`` steps (no validation; checkpoints under
+    ``root/ckpt_<name>`` every ``save_every`` steps); its logged metrics, or with ``expect_error`` the check that the
+    run failed with that text in its output."""
     config_json = root / "config.json"
     config_json.write_text(json.dumps(config.to_hf()))
     cmd = [sys.executable, str(HERE / "forge_entry.py"), "fit", "--config", str(TINY_YAML)]
     cmd += ["--model.init_args.config", str(config_json)]
     cmd += ["--data.data_prefix", str(corpus["prefix"]), "--data.tokenizer", str(corpus["tokenizer"])]
-    cmd += ["--trainer.max_steps", "3", "--trainer.limit_val_batches", "0"]
-    cmd += ["--trainer.enable_checkpointing", "false"]
+    cmd += ["--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0"]
+    if save_every:
+        cmd += [
+            "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: "
+            f"{{dirpath: ckpt_{name}, every_n_train_steps: {save_every}, save_top_k: -1}}}}]"
+        ]
+    else:
+        cmd += ["--trainer.enable_checkpointing", "false"]
     cmd += ["--trainer.devices", str(devices), "--data.batch_size", str(batch)]
     cmd += ["--trainer.logger.init_args.name", name, *args]
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    if expect_error is not None:
+        assert proc.returncode != 0 and expect_error in proc.stdout + proc.stderr, proc.stderr[-3000:]
+        return []
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return _metrics(root, name)
 
@@ -335,3 +355,65 @@ def test_grouped_experts_equal_megatrons_expert_loop(megatron_world, name):
     torch.testing.assert_close(runs[0]["sums"], runs[1]["sums"], atol=1e-6, rtol=1e-6)
     for key, grad in runs[1]["grads"].items():
         torch.testing.assert_close(runs[0]["grads"][key], grad, atol=1e-6 * grad.abs().max(), rtol=0, msg=key)
+
+
+def test_moe_checkpoint_resumes_at_another_expert_layout(tiny_corpus, tmp_path):
+    """A Qwen2-MoE run at EP = 2 (DP = 2) checkpointed at step 2 resumes exactly at EP = 2, and at TP = 2 with
+    sequence parallelism and whole experts split by EP = 2 over the TP ranks (ETP = 1) within fp32 tolerance (the
+    dense weights and their optimizer state resharded, the experts stored by global index); a layout whose experts
+    share the dense parameters' optimizer (EP = 1, ETP = TP) is refused with the reason."""
+    config = moe_config("qwen2_moe")
+    config.vocab_size = 512  # the tiny corpus's tokenizer
+    config.moe.aux_loss_coef = 0.0
+    full = _column(
+        _fit(tmp_path, tiny_corpus, config, "ep2", *EP2, devices=2, batch=2, steps=4, save_every=2),
+        "train/loss",
+    )
+    ckpt = str(tmp_path / "ckpt_ep2" / "epoch=0-step=2.ckpt")
+    same = _column(
+        _fit(
+            tmp_path,
+            tiny_corpus,
+            config,
+            "ep2_resume",
+            *EP2,
+            "--ckpt_path",
+            ckpt,
+            devices=2,
+            batch=2,
+            steps=4,
+        ),
+        "train/loss",
+    )
+    assert sorted(same) == [2, 3] and all(same[s] == full[s] for s in (2, 3)), (same, full)
+    etp1 = [*TP2_SP, "--trainer.strategy.expert_tensor_parallel_size", "1"]
+    etp1 += ["--trainer.strategy.expert_model_parallel_size", "2"]
+    moved = _column(
+        _fit(
+            tmp_path,
+            tiny_corpus,
+            config,
+            "etp1_resume",
+            *etp1,
+            "--ckpt_path",
+            ckpt,
+            devices=2,
+            batch=4,
+            steps=4,
+        ),
+        "train/loss",
+    )
+    assert sorted(moved) == [2, 3] and max(abs(moved[s] - full[s]) for s in (2, 3)) <= 1e-5, (moved, full)
+    _fit(
+        tmp_path,
+        tiny_corpus,
+        config,
+        "tp2_refused",
+        *TP2_SP,
+        "--ckpt_path",
+        ckpt,
+        devices=2,
+        batch=4,
+        steps=4,
+        expect_error="does not resume across that change",
+    )
