@@ -16,39 +16,29 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import step_profile
 from llm_throughput import FORGE_PATHS, _build_forge, _random_batches
-from step_profile import BUCKETS, TOP_KERNELS, kernel_bucket
 
 MATMUL_CEILING_TFLOPS = 798.0  # bf16 torch.matmul measured on this H200
 
 
 def _kernel_ms(fn, repeats: int) -> tuple[dict[str, float], list[dict]]:
     """GPU kernel time per call of ``fn`` by bucket (each kernel counted once, from its device-side event), and
-    the :data:`~step_profile.TOP_KERNELS` most expensive kernels."""
+    the most expensive kernels (:func:`step_profile.summarize` of ``repeats`` calls)."""
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
+    start = time.perf_counter()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(repeats):
             fn()
         torch.cuda.synchronize()
-    totals: dict[str, float] = defaultdict(float)
-    per_kernel: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == DeviceType.CUDA and not event.is_user_annotation:
-            ms = event.time_range.elapsed_us() / 1e3 / repeats
-            totals[kernel_bucket(event.name)] += ms
-            per_kernel[event.name] += ms
-    top = [
-        {"kernel": name[:160], "bucket": kernel_bucket(name), "ms": ms}
-        for name, ms in sorted(per_kernel.items(), key=lambda kv: -kv[1])[:TOP_KERNELS]
-    ]
-    return dict(totals), top
+    summary = step_profile.summarize(prof, repeats, time.perf_counter() - start, cuda=True)
+    return summary["ms"], summary["top_kernels"]
 
 
 def main() -> None:
@@ -117,7 +107,7 @@ def main() -> None:
     print(f"GPU kernel time per step ({args.path})")
     print("| bucket | ms / step | share |")
     print("|---|---|---|")
-    for name in BUCKETS:
+    for name in step_profile.BUCKETS:
         print(f"| {name} | {step_ms.get(name, 0.0):.1f} | {100 * step_ms.get(name, 0.0) / gpu_ms:.1f}% |")
     print(f"| total (kernels) | {gpu_ms:.1f} | 100% |")
     print(f"| all FLOPs at the {MATMUL_CEILING_TFLOPS:.0f} TFLOP/s matmul ceiling | {ideal_ms:.1f} | |")
