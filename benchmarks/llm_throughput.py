@@ -37,6 +37,10 @@ FORGE_PATHS = {
     "forge": {},
     "forge-eager": {"compile": False},  # Triton RMSNorm / RoPE / SwiGLU kernels instead of compiled blocks
     "forge-fp8": {"fp8": {"recipe": "tensorwise"}},
+    "forge-fp8-attn": {"fp8": {"recipe": "tensorwise", "attention": True}},  # + cuDNN FP8 attention
+    "forge-fp8-fastacc": {"fp8": {"recipe": "tensorwise", "fast_accum": True}},
+    # every GEMM in FP8 (the LM head's inside the fused loss too), fast accumulation everywhere
+    "forge-fp8-full": {"fp8": {"recipe": "tensorwise", "fast_accum": True, "lm_head": True}},
     "forge-fp8-rowwise": {"fp8": {"recipe": "rowwise"}},
     "forge-flash": {"attention": {"sdpa": ["flash", "efficient", "math"]}},
 }

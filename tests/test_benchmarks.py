@@ -31,8 +31,9 @@ FIRST_LOSS = math.log(256)
 
 def test_llm_throughput_script_trains_both_sides(tmp_path):
     args = ["--shape", "debug", "--seq", "64", "--batch", "2", "--steps", "2", "--warmup", "1"]
-    rows = _run("llm_throughput.py", *args, "--paths", "forge", "hf-eager", out=tmp_path / "llm.json")
-    assert [r["path"] for r in rows] == ["forge", "hf-eager"]
+    paths = ["forge", "forge-fp8-full", "forge-fp8-attn", "hf-eager"]  # FP8 paths: torchao / emulated on CPU
+    rows = _run("llm_throughput.py", *args, "--paths", *paths, out=tmp_path / "llm.json")
+    assert [r["path"] for r in rows] == paths
     for r in rows:
         assert r["tokens_per_s"] > 0
         assert abs(r["final_loss"] - FIRST_LOSS) < 0.2, r  # 3 steps at lr 1e-4 stay near the start

@@ -169,3 +169,58 @@ def test_causal_lm_takes_performance_and_keeps_it_in_hyperparameters():
     assert module.hparams["performance"]["optimizer"] == "for_loop"
     with pytest.raises(ValueError, match="performance.attention.packed"):
         CausalLM(config=TINY_LLM, performance={"attention": {"packed": "ring"}})
+
+
+def test_fp8_options_reach_torchao_the_attention_layers_and_the_loss():
+    pytest.importorskip("torchao")
+    from torchao.float8.float8_linear import Float8Linear
+
+    from forge_lightning.kernels.fp8_attention import FP8AttentionScales
+
+    fp8 = {"recipe": "tensorwise", "attention": True, "fast_accum": True, "lm_head": True}
+    model = _model()
+    apply_fp8(_plan(model), PerformanceConfig(fp8=fp8).fp8, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, Float8Linear)]
+    assert linears and all(m.config.gemm_config_grad_input.use_fast_accum for m in linears)
+    assert all(m.config.gemm_config_grad_weight.use_fast_accum for m in linears)
+    layers = [m.self_attn for m in model.model.layers]
+    assert all(isinstance(a.fp8_scales, FP8AttentionScales) for a in layers)
+    # The module's loss runs the output head's GEMMs in FP8 (emulated on CPU): close to, not equal to, bf16's.
+    torch.manual_seed(0)
+    plain = CausalLM(config=TINY_LLM, performance={"compile": False})
+    fp8_module = CausalLM(config=TINY_LLM, performance={"compile": False, "fp8": {"lm_head": True}})
+    fp8_module.load_state_dict(plain.state_dict())
+    tokens = torch.randint(0, TINY_LLM["vocab_size"], (2, 33))
+    batch = {"input_ids": tokens[:, :-1], "labels": tokens[:, 1:]}
+    (loss, _), (fp8_loss, _) = plain.loss_sum(batch), fp8_module.loss_sum(batch)
+    assert 0 < abs(fp8_loss - loss) / loss < 1e-2
+
+
+def test_fp8_attention_trains_close_to_exact_attention_and_skips_other_cases():
+    from forge_lightning.modules.layers.attention import attention
+    from forge_lightning.performance.transforms import _enable_fp8_attention
+
+    model = _model()
+    reference = copy.deepcopy(model)
+    _enable_fp8_attention(_plan(model), torch.device("cpu"))  # the torch emulation on CPU
+    tokens = torch.randint(0, TINY_LLM["vocab_size"], (2, 33))
+    loss, grads = _loss_and_grads(reference, tokens)
+    fp8_loss, fp8_grads = _loss_and_grads(model, tokens)
+    assert 0 < abs(fp8_loss - loss) / loss < 1e-2
+    for name, grad in grads.items():
+        assert (fp8_grads[name] - grad).norm() / grad.norm().clamp_min(1e-12) < 0.1, name
+    # Queries shorter than keys (decoding over a KV cache) stay in high precision: exactly the plain kernel.
+    q, k = torch.randn(1, 4, 3, 16), torch.randn(1, 2, 9, 16)
+    scales = model.model.layers[0].self_attn.fp8_scales
+    torch.testing.assert_close(attention(q, k, k, causal=True, fp8=scales), attention(q, k, k, causal=True))
+
+
+def test_fp8_attention_leaves_mla_layers_in_high_precision():
+    from forge_lightning.modules.layers.mla import MultiLatentAttention
+    from forge_lightning.performance.transforms import _enable_fp8_attention
+
+    torch.manual_seed(0)
+    model = DecoderLM(LLMConfig.from_preset("debug-deepseek"))
+    _enable_fp8_attention(_plan(model), torch.device("cpu"))
+    mla = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
+    assert mla and all(m.fp8_scales is None for m in mla)

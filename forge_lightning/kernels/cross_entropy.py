@@ -12,6 +12,12 @@ in chunks of ``C`` rows; per chunk::
 head does), and each chunk's addmm accumulates in fp32 and rounds ``grad_weight`` once, so with half
 precision weights it is rounded once per chunk; chunks are large (see ``_chunk_size``) so there are few.
 
+``fp8=True`` runs the three matmuls as FP8 GEMMs (``torch._scaled_mm``, Hopper or newer): the weight (once per
+call) and each chunk's hidden states in e4m3, each chunk's ``d loss / d logits`` in e5m2, every one with its own
+per-tensor scale from its amax; the logits GEMM uses cuBLAS fast accumulation, the two gradient GEMMs too only
+with ``fast_accum=True``. Softmax, loss and gradient math stay fp32. Off CUDA the same quantization runs with
+fp32 matmuls (an emulation for tests).
+
 Saved gradients vs recompute: for ``reduction="sum"`` / ``"mean"`` the upstream gradient is one scalar, so
 the forward computes the input gradients chunk by chunk and stores them (three matmuls in total instead of
 four); the backward only scales them. ``"none"`` needs a per-token upstream gradient that is unknown at
@@ -63,16 +69,17 @@ class _LossOptions:
     label_smoothing: float
 
 
-def _chunk_size(n_tokens: int, vocab: int) -> int:
+def _chunk_size(n_tokens: int, vocab: int, budget_factor: int = 1) -> int:
     """Rows per chunk: the largest power of two whose logits fit ``_CHUNK_LOGITS_ELEMENTS`` (at least 16).
 
     Every chunk costs one read-modify-write of the whole ``[V, H]`` weight gradient next to its
     ``6 * C * V * H`` matmul FLOPs, so that overhead is about ``(2/3) * (FLOP/s / bytes/s) / C`` of the
     matmul time, independent of ``H``: ~5% at C = 2048 on an H200 (measured there: about 89 / 85 / 83 ms
     at C = 1024 / 2048 / 4096 for 32768 tokens, H = 2048, V = 128256). The budget keeps C >= 2048 up to a
-    128k vocabulary while a chunk's logits stay at 512 MiB in bf16.
+    128k vocabulary while a chunk's logits stay at 512 MiB in bf16. The FP8 path doubles the budget
+    (``budget_factor=2``): its weight gradient is a separate GEMM plus an add per chunk, not an addmm.
     """
-    rows = 1 << max(4, (_CHUNK_LOGITS_ELEMENTS // max(vocab, 1)).bit_length() - 1)
+    rows = 1 << max(4, (budget_factor * _CHUNK_LOGITS_ELEMENTS // max(vocab, 1)).bit_length() - 1)
     return max(1, min(n_tokens, rows))
 
 
@@ -178,6 +185,77 @@ def _chunk_loss_triton(
 ChunkLoss = Callable[..., None]
 
 
+@dataclass(frozen=True)
+class _FP8Matmuls:
+    """FP8 settings of the chunk loop (``None`` in its place: high-precision matmuls)."""
+
+    fast_accum: bool
+
+
+def _quantize_2d(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x`` ``[M, K]`` in ``dtype`` with one per-tensor scale: (payload ``[M, K]`` row-major, descale ``[]``)."""
+    from forge_lightning.kernels.fp8 import quantize_fp8
+
+    payload, descale = quantize_fp8(x, block=None, dtype=dtype)
+    return payload.view(x.shape), descale.reshape(())
+
+
+def _fp8_mm(
+    a: torch.Tensor, b_t: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor, fast_accum: bool
+) -> torch.Tensor:
+    """``(a * scale_a) @ (b_t * scale_b).T`` in bf16, for FP8 ``a`` ``[M, K]`` and ``b_t`` ``[N, K]`` (row-major)."""
+    if a.is_cuda:
+        return torch._scaled_mm(
+            a, b_t.t(), scale_a=scale_a.float(), scale_b=scale_b.float(), out_dtype=torch.bfloat16,
+            use_fast_accum=fast_accum,
+        )  # fmt: skip
+    return ((a.float() * scale_a) @ (b_t.float() * scale_b).t()).to(torch.bfloat16)
+
+
+class _ChunkMatmuls:
+    """The three matmuls of a chunk in the input dtype (cuBLAS)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+
+    def logits(self, hidden_c: torch.Tensor) -> torch.Tensor:
+        """``hidden_c @ weight.T`` ``[C, V]`` (the chunk's hidden states are kept for :meth:`backward`)."""
+        self.hidden_c = hidden_c
+        return hidden_c @ self.weight.T
+
+    def backward(
+        self, dlogits: torch.Tensor, grad_hidden_c: torch.Tensor | None, grad_weight: torch.Tensor | None
+    ) -> None:
+        """From ``d loss / d logits`` (written over the logits), store / accumulate the input gradients."""
+        if grad_hidden_c is not None:
+            torch.mm(dlogits, self.weight, out=grad_hidden_c)
+        if grad_weight is not None:
+            grad_weight.addmm_(dlogits.T, self.hidden_c)
+
+
+class _FP8ChunkMatmuls(_ChunkMatmuls):
+    """The three matmuls of a chunk as FP8 GEMMs (see the module docstring)."""
+
+    def __init__(self, weight: torch.Tensor, needs_grad_hidden: bool, fast_accum: bool) -> None:
+        self.fast_accum = fast_accum
+        self.w8, self.w_descale = _quantize_2d(weight, torch.float8_e4m3fn)  # [V, H]
+        self.w8_t = self.w8.t().contiguous() if needs_grad_hidden else None  # [H, V]: K-major for d hidden
+
+    def logits(self, hidden_c: torch.Tensor) -> torch.Tensor:
+        self.h8, self.h_descale = _quantize_2d(hidden_c, torch.float8_e4m3fn)  # [C, H]
+        return _fp8_mm(self.h8, self.w8, self.h_descale, self.w_descale, fast_accum=True)
+
+    def backward(
+        self, dlogits: torch.Tensor, grad_hidden_c: torch.Tensor | None, grad_weight: torch.Tensor | None
+    ) -> None:
+        g8, g_descale = _quantize_2d(dlogits, torch.float8_e5m2)  # [C, V]
+        if grad_hidden_c is not None:
+            grad_hidden_c.copy_(_fp8_mm(g8, self.w8_t, g_descale, self.w_descale, self.fast_accum))
+        if grad_weight is not None:
+            g8_t, h8_t = g8.t().contiguous(), self.h8.t().contiguous()  # K-major (tokens) operands
+            grad_weight.add_(_fp8_mm(g8_t, h8_t, g_descale, self.h_descale, self.fast_accum))
+
+
 def _run_chunks(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -187,6 +265,7 @@ def _run_chunks(
     chunk_size: int,
     grad_scale: torch.Tensor | None,
     needs_grad: tuple[bool, bool],
+    fp8: _FP8Matmuls | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Runs the chunk loop; returns per-token losses and, with ``grad_scale``, the input gradients."""
     n_tokens = hidden.shape[0]
@@ -194,30 +273,31 @@ def _run_chunks(
     with_grad = grad_scale is not None
     grad_hidden = hidden.new_empty(hidden.shape) if with_grad and needs_grad[0] else None
     grad_weight = torch.zeros_like(weight) if with_grad and needs_grad[1] else None
+    if fp8 is None:
+        matmuls = _ChunkMatmuls(weight)
+    else:
+        matmuls = _FP8ChunkMatmuls(weight, grad_hidden is not None, fp8.fast_accum)
     for start in range(0, n_tokens, chunk_size):
         end = min(start + chunk_size, n_tokens)
-        hidden_c = hidden[start:end]
-        logits = hidden_c @ weight.T  # [C, V] in the input dtype
+        logits = matmuls.logits(hidden[start:end])  # [C, V]
         scale_c = grad_scale[start:end] if with_grad else None
         chunk_loss(logits, labels[start:end], loss[start:end], scale_c, opts)
-        if grad_hidden is not None:
-            torch.mm(logits, weight, out=grad_hidden[start:end])
-        if grad_weight is not None:
-            grad_weight.addmm_(logits.T, hidden_c)
+        if with_grad:
+            matmuls.backward(logits, None if grad_hidden is None else grad_hidden[start:end], grad_weight)
     return loss, grad_hidden, grad_weight
 
 
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden, weight, labels, opts, reduction, chunk_loss, chunk_size):
+    def forward(ctx, hidden, weight, labels, opts, reduction, chunk_loss, chunk_size, fp8):
         n_valid = (labels != opts.ignore_index).sum()
         store_grads = reduction != "none" and (ctx.needs_input_grad[0] or ctx.needs_input_grad[1])
         ones = torch.ones((), dtype=torch.float32, device=hidden.device).expand(hidden.shape[0])
         scale, needs = (ones if store_grads else None), ctx.needs_input_grad[:2]
         loss, grad_hidden, grad_weight = _run_chunks(
-            hidden, weight, labels, opts, chunk_loss, chunk_size, scale, needs
+            hidden, weight, labels, opts, chunk_loss, chunk_size, scale, needs, fp8
         )
-        ctx.reduction = reduction
+        ctx.reduction, ctx.fp8 = reduction, fp8
         ctx.consumed = False
         if reduction == "none":
             ctx.save_for_backward(hidden, weight, labels)
@@ -232,9 +312,9 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             hidden, weight, labels = ctx.saved_tensors
             grad_scale, needs = grad_loss.float().contiguous(), ctx.needs_input_grad[:2]
             _, grad_hidden, grad_weight = _run_chunks(
-                hidden, weight, labels, ctx.opts, ctx.chunk_loss, ctx.chunk_size, grad_scale, needs
+                hidden, weight, labels, ctx.opts, ctx.chunk_loss, ctx.chunk_size, grad_scale, needs, ctx.fp8
             )
-            return grad_hidden, grad_weight, None, None, None, None, None
+            return grad_hidden, grad_weight, None, None, None, None, None, None
         if ctx.consumed:
             raise RuntimeError(
                 "fused_linear_cross_entropy scales its stored gradients in place: backward runs once"
@@ -245,7 +325,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
         for grad in (grad_hidden, grad_weight):
             if grad is not None:
                 grad.mul_(scale)  # fp32 0-dim scale: computed in fp32, rounded once to the grad's dtype
-        return grad_hidden, grad_weight, None, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -259,6 +339,8 @@ def fused_linear_cross_entropy(
     *,
     chunk_size: int | None = None,
     backend: Backend = "auto",
+    fp8: bool = False,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T`` against ``labels``, without materialising fp32 logits.
 
@@ -273,6 +355,8 @@ def fused_linear_cross_entropy(
         label_smoothing: in ``[0, 1]``, as ``torch.nn.functional.cross_entropy`` defines it.
         chunk_size: tokens per chunk; by default the largest power of two whose logits fit 2^28 elements.
         backend: ``"auto"`` | ``"triton"`` | ``"torch"`` (see :func:`forge_lightning.kernels.use_triton`).
+        fp8: run the three matmuls in FP8 (see the module docstring); ``H`` and ``V`` multiples of 16.
+        fast_accum: with ``fp8``, fast accumulation in the two gradient GEMMs too.
 
     Returns:
         The fp32 loss (a scalar, or per-token for ``"none"``), differentiable in ``hidden`` and ``weight``.
@@ -286,18 +370,28 @@ def fused_linear_cross_entropy(
         with torch.autocast(device_type, enabled=False):
             return fused_linear_cross_entropy(
                 hidden, weight, labels, ignore_index, reduction, z_loss, label_smoothing,
-                chunk_size=chunk_size, backend=backend,
+                chunk_size=chunk_size, backend=backend, fp8=fp8, fast_accum=fast_accum,
             )  # fmt: skip
     _check_ce_args(hidden, weight, labels, reduction, label_smoothing)
+    if fp8 and (weight.shape[0] % 16 or weight.shape[1] % 16):
+        raise ValueError(
+            f"fp8 cross-entropy needs the vocabulary and hidden sizes to be multiples of 16 (FP8 GEMM tiles), "
+            f"got weight {tuple(weight.shape)}; pad the vocabulary or keep the LM head in high precision"
+        )
+    matmuls = _FP8Matmuls(fast_accum) if fp8 else None
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     labels1 = labels.reshape(-1).contiguous()
-    chunk = chunk_size or _chunk_size(hidden2.shape[0], weight.shape[0])
+    chunk = chunk_size or _chunk_size(hidden2.shape[0], weight.shape[0], 2 if fp8 else 1)
     opts = _LossOptions(int(ignore_index), float(z_loss), float(label_smoothing))
     chunk_loss = _chunk_loss_triton if use_triton(backend, hidden, weight, labels) else _chunk_loss_torch
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        loss = _FusedLinearCrossEntropy.apply(hidden2, weight, labels1, opts, reduction, chunk_loss, chunk)
+        loss = _FusedLinearCrossEntropy.apply(
+            hidden2, weight, labels1, opts, reduction, chunk_loss, chunk, matmuls
+        )
     else:  # evaluation: no gradients to compute or store
-        per_token, _, _ = _run_chunks(hidden2, weight, labels1, opts, chunk_loss, chunk, None, (False, False))
+        per_token, _, _ = _run_chunks(
+            hidden2, weight, labels1, opts, chunk_loss, chunk, None, (False, False), matmuls
+        )
         loss = _reduce(per_token, labels1, opts.ignore_index, reduction)
     return loss.view(labels.shape) if reduction == "none" else loss
 

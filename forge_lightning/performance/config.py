@@ -82,17 +82,30 @@ class Float8Config:
         exclude: fully qualified module names or ``fnmatch`` patterns left in high precision (the output head by
             default: the fused cross-entropy reads its weight directly).
         fsdp_all_gather: under FSDP2, all-gather parameters in FP8 (tensorwise only; half the bytes of bf16).
+        attention: also run causal self-attention (the GQA ``Attention`` layers) in FP8: cuDNN's fused FP8
+            attention on CUDA (Hopper or newer, ``pip install nvidia-cudnn-frontend``), its torch emulation
+            elsewhere; see ``forge_lightning.kernels.fp8_attention``. Packed documents, masks and KV-cache decoding
+            stay in bf16, MLA layers too.
+        fast_accum: cuBLAS fast accumulation in the two backward GEMMs as well (the forward GEMM always uses it):
+            faster, with less precise gradient sums.
+        lm_head: run the output head's three GEMMs inside the fused linear + cross-entropy in FP8 too (e4m3
+            hidden states and weight, e5m2 logit gradients, per-tensor scales; see
+            ``forge_lightning.kernels.fused_linear_cross_entropy``). Independent of ``exclude``, which lists the
+            ``nn.Linear`` layers torchao converts.
     """
 
     recipe: str = "tensorwise"
     exclude: list[str] = field(default_factory=lambda: ["lm_head", "*.lm_head"])
     fsdp_all_gather: bool = False
+    attention: bool = False
+    fast_accum: bool = False
+    lm_head: bool = False
 
 
 @dataclass(kw_only=True)
 class PerformanceConfig:
-    """Speed switches applied by every strategy in one order: TP → FP8 → kernels → activation checkpointing →
-    per-block ``torch.compile`` → FSDP / DDP (see ``forge_lightning.performance.transforms``).
+    """Speed switches applied by every strategy in one order: TP → FP8 → kernels → activation
+    checkpointing → per-block ``torch.compile`` → FSDP / DDP (see ``forge_lightning.performance.transforms``).
 
     Args:
         kernels: Triton kernels per layer type.

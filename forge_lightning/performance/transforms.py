@@ -38,7 +38,7 @@ def apply_performance(plan: ParallelPlan, perf: PerformanceConfig, device: torch
         device: where the model trains (decides every ``auto``).
     """
     resolved = resolve(perf, device)
-    apply_fp8(plan, resolved.fp8)
+    apply_fp8(plan, resolved.fp8, device)
     apply_kernels(plan, resolved.kernels)
     apply_sdpa_backends(resolved.sdpa)
     apply_activation_checkpointing(plan, resolved.activation_checkpointing, resolved.selective_save_ops)
@@ -66,8 +66,9 @@ def mark_applied(module: nn.Module) -> None:
 
 
 # ----- FP8 ---------------------------------------------------------------------------------------------------
-def apply_fp8(plan: ParallelPlan, fp8: Any) -> None:
-    """Swap the trainable components' ``nn.Linear`` layers for torchao ``Float8Linear`` (dynamic scaling).
+def apply_fp8(plan: ParallelPlan, fp8: Any, device: torch.device | str = "cpu") -> None:
+    """Swap the trainable components' ``nn.Linear`` layers for torchao ``Float8Linear`` (dynamic scaling), and
+    with ``fp8.attention`` give their ``Attention`` layers FP8 attention state.
 
     Layers named in ``fp8.exclude`` and layers whose dimensions are not multiples of 16 (FP8 GEMM tiles) stay in
     high precision.
@@ -75,20 +76,28 @@ def apply_fp8(plan: ParallelPlan, fp8: Any) -> None:
     Args:
         plan: the module's parallel plan.
         fp8: a :class:`~forge_lightning.performance.Float8Config`, or ``None`` (no-op).
+        device: where the model trains (FP8 attention on CUDA needs the cuDNN frontend).
     """
     if fp8 is None:
         return
+    if fp8.attention:
+        _enable_fp8_attention(plan, torch.device(device))
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as err:
         raise ImportError(
             "performance.fp8 needs torchao: pip install 'forge-lightning[fp8]' (or torchao>=0.18)"
         ) from err
+    import dataclasses
+
     config = Float8LinearConfig.from_recipe_name(fp8.recipe)
     if fp8.fsdp_all_gather:
-        import dataclasses
-
         config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    if fp8.fast_accum:
+        from torchao.float8.config import Float8GemmConfig
+
+        fast = Float8GemmConfig(use_fast_accum=True)
+        config = dataclasses.replace(config, gemm_config_grad_input=fast, gemm_config_grad_weight=fast)
     converted: list[str] = []
 
     def keep_in_fp8(module: nn.Module, fqn: str) -> bool:
@@ -107,6 +116,40 @@ def apply_fp8(plan: ParallelPlan, fp8: Any) -> None:
         f"fp8: {len(converted)} linear layers to Float8Linear ({fp8.recipe}, FSDP FP8 all-gather "
         f"{'on' if fp8.fsdp_all_gather else 'off'}); excluded {fp8.exclude}"
     )
+
+
+def _enable_fp8_attention(plan: ParallelPlan, device: torch.device) -> None:
+    from forge_lightning.kernels.fp8_attention import (
+        FP8AttentionScales,
+        cudnn_fp8_attention_available,
+        cudnn_head_dim_unsupported,
+    )
+    from forge_lightning.modules.layers.attention import Attention, SelfAttention
+
+    if device.type == "cuda":
+        reason = cudnn_fp8_attention_available(device)
+        if reason is not None:
+            raise RuntimeError(
+                f"performance.fp8.attention: {reason}; or set performance.fp8.attention: false"
+            )
+    enabled, other = 0, 0
+    for comp in plan:
+        if comp.frozen:
+            continue
+        for module in comp.module.modules():
+            if isinstance(module, Attention):
+                reason = cudnn_head_dim_unsupported(module.head_dim, device)
+                if reason is not None:
+                    raise ValueError(
+                        f"performance.fp8.attention: {reason}; set performance.fp8.attention: false"
+                    )
+                module.fp8_scales = FP8AttentionScales()
+                enabled += 1
+            elif isinstance(module, SelfAttention):
+                other += 1
+    backend = "cuDNN fused FP8" if device.type == "cuda" else "torch emulation"
+    kept = f"; {other} other attention layers (MLA) stay in high precision" if other else ""
+    rank_zero_info(f"fp8 attention: {enabled} layers ({backend}){kept}")
 
 
 # ----- kernels and attention ---------------------------------------------------------------------------------

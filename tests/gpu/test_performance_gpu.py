@@ -60,6 +60,7 @@ def _rel(a, b):
         ({}, 0.03),  # the CUDA default: compiled blocks + cuDNN attention
         ({"fp8": {"recipe": "tensorwise"}}, 0.2),  # e4m3 activations, e5m2 output gradients
         ({"fp8": {"recipe": "rowwise"}}, 0.2),
+        ({"fp8": {"recipe": "tensorwise", "fast_accum": True, "lm_head": True}}, 0.2),
     ],
 )
 def test_cuda_performance_settings_match_plain_eager(models, overrides, grad_tol):

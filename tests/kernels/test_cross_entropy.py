@@ -175,3 +175,43 @@ def test_triton_matches_reference_cuda(cuda, assert_close, dtype, reduction):
         assert_close(g, w, dtype, factor=2)
     for g, w in zip(got, oracle, strict=True):  # differs through the rounded logits and gradients
         assert_close(g, w, dtype, factor=2)
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_fp8_matmuls_stay_close_to_high_precision(reduction):
+    # e4m3 hidden states / weight and e5m2 logit gradients (the CPU emulation of the scaled GEMMs): the total loss
+    # within 1% (per token 3%), the gradients within the few percent per-tensor FP8 rounding gives; 48 tokens in
+    # chunks of 16.
+    h, weight, labels = make_inputs(48, 64, 256, torch.float32, "cpu")
+    upstream = torch.randn(48)
+    common = dict(reduction=reduction, upstream=upstream, chunk_size=16, z_loss=1e-4, backend="torch")
+    fp8 = run(fused_linear_cross_entropy, h, weight, labels, fp8=True, **common)
+    exact = run(fused_linear_cross_entropy, h, weight, labels, **common)
+    assert _rel(fp8[0].sum(), exact[0].sum()) < 0.01 and _rel(fp8[0], exact[0]) < 0.03  # total, per token
+    for got, want in zip(fp8[1:], exact[1:], strict=True):
+        assert 1e-4 < _rel(got, want) < 0.1  # rounded (not the exact path), and close
+
+
+def test_fp8_needs_gemm_tile_multiples():
+    h, weight, labels = make_inputs(8, 33, 64, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fused_linear_cross_entropy(h, weight, labels, fp8=True, backend="torch")
+
+
+@pytest.mark.gpu
+def test_fp8_scaled_mm_matches_the_emulation(cuda):
+    h, weight, labels = make_inputs(4096, 512, 32000, torch.bfloat16, cuda)
+    common = dict(reduction="mean", chunk_size=1024, fp8=True)
+    got = run(fused_linear_cross_entropy, h, weight, labels, **common)
+    cpu = [t.detach().cpu().float() for t in (h, weight)]
+    want = run(
+        fused_linear_cross_entropy, cpu[0].requires_grad_(), cpu[1].requires_grad_(), labels.cpu(),
+        backend="torch", **common,
+    )  # fmt: skip
+    assert _rel(got[0].cpu(), want[0]) < 1e-3
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert _rel(g.cpu(), w) < 0.03

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from forge_lightning.kernels.fp8_attention import FP8AttentionScales, fp8_attention
 from forge_lightning.modules.layers.mlp import init_linear
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import apply_rotary
@@ -169,6 +170,7 @@ def attention(
     causal: bool = True,
     mask: Tensor | None = None,
     documents: DocumentMask | None = None,
+    fp8: FP8AttentionScales | None = None,
 ) -> Tensor:
     """Scaled dot-product attention over ``[B, H, S, D]`` tensors, with grouped-query key/value heads.
 
@@ -183,10 +185,15 @@ def attention(
         mask: optional boolean (True = attend) or additive float mask broadcastable to ``[B, 1, S_q, S_kv]``;
             it restricts attention further and is combined with the causal mask.
         documents: packed-document mask (causal within each document); excludes ``mask`` and a KV cache.
+        fp8: the layer's FP8 attention state: causal self-attention without a mask, documents or cached
+            positions runs in FP8 (:func:`~forge_lightning.kernels.fp8_attention.fp8_attention`); the other
+            cases stay in the inputs' precision.
 
     Returns:
         ``[B, H, S_q, D]``.
     """
+    if fp8 is not None and causal and mask is None and documents is None and q.shape[2] == k.shape[2]:
+        return fp8_attention(q, k, v, fp8)
     if documents is not None:
         if mask is not None or not causal or q.shape[2] != k.shape[2]:
             raise ValueError("packed documents need causal self-attention without another mask or a KV cache")
@@ -272,6 +279,8 @@ class SelfAttention(nn.Module):
     """
 
     o_proj: nn.Linear
+    fp8_scales: FP8AttentionScales | None = None
+    """Set by ``performance.fp8.attention``: this layer's attention runs in FP8 (see :func:`attention`)."""
 
     def queries_keys_values(
         self, x_BSD: Tensor, rope: tuple[Tensor, Tensor], kv_cache: KVCache | None
@@ -303,7 +312,7 @@ class SelfAttention(nn.Module):
         """
         B, S, _ = x_BSD.shape
         q, k, v = self.queries_keys_values(x_BSD, rope, kv_cache)
-        out_BHSD = attention(q, k, v, causal=True, mask=mask, documents=documents)
+        out_BHSD = attention(q, k, v, causal=True, mask=mask, documents=documents, fp8=self.fp8_scales)
         return self.o_proj(out_BHSD.transpose(1, 2).reshape(B, S, -1))
 
 

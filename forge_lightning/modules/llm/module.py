@@ -235,6 +235,8 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
             batch["input_ids"], position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids")
         )
         labels_N = batch["labels"].reshape(-1)
+        performance = self._resolved_performance(hidden_BSH.device)
+        fp8 = performance.fp8
         loss = fused_linear_cross_entropy(
             hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
             self.model.lm_head.weight,
@@ -242,7 +244,9 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
             ignore_index=self.ignore_index,
             reduction="sum",
             z_loss=self.z_loss,
-            backend=self._resolved_performance(hidden_BSH.device).kernels["cross_entropy"],
+            backend=performance.kernels["cross_entropy"],
+            fp8=fp8 is not None and fp8.lm_head,
+            fast_accum=fp8 is not None and fp8.fast_accum,
         )
         return loss, (labels_N != self.ignore_index).sum()
 

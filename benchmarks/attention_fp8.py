@@ -1,0 +1,139 @@
+"""Causal attention forward + backward on one GPU: cuDNN bf16 (what SDPA runs) against cuDNN FP8 (ours).
+
+The FP8 path is ``forge_lightning.kernels.fp8_attention`` with its per-tensor e4m3 casts of q / k / v / dO
+included in the time. Shapes are the attention of the LLM benchmark's models at seq 4096 (q / k / v as
+transposed views of ``[B, S, heads, D]``, as the attention layers produce them). FLOPs count the causal half:
+3.5 · 2 · B · H · S² · D (forward 1, backward 2.5). Errors are relative L2 differences from the bf16 path.
+
+    python benchmarks/attention_fp8.py
+
+Prints one table; writes benchmarks/results/attention_fp8.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from forge_lightning.kernels.fp8_attention import FP8AttentionScales, fp8_attention
+
+PEAK_TFLOPS = 989.0
+# name -> (batch, heads, kv_heads, seq, head_dim)
+SHAPES = {
+    "llama3.2-1b": (8, 32, 8, 4096, 64),
+    "qwen3-4b": (4, 32, 8, 4096, 128),
+    "llama3.1-8b": (1, 32, 8, 8192, 128),
+}
+
+
+def _inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int):
+    def rand(h: int) -> torch.Tensor:
+        x = torch.randn(batch, seq, h, head_dim, device="cuda", dtype=torch.bfloat16)
+        return x.transpose(1, 2).requires_grad_()
+
+    return (
+        rand(heads),
+        rand(kv_heads),
+        rand(kv_heads),
+        torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16),
+    )
+
+
+def _time_ms(fn, warmup: int, reps: int) -> float:
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def run_shape(name: str, warmup: int, reps: int) -> list[dict]:
+    batch, heads, kv_heads, seq, head_dim = SHAPES[name]
+    q, k, v, grad_out = _inputs(batch, heads, kv_heads, seq, head_dim)
+    scales = FP8AttentionScales()
+    paths = {
+        "cudnn-bf16": lambda: F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=heads != kv_heads
+        ),
+        "cudnn-fp8": lambda: fp8_attention(q, k, v, scales, backend="cudnn"),
+    }
+    flops = 3.5 * 2 * batch * heads * seq * seq * head_dim
+    rows, outputs = [], {}
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    for path, forward in paths.items():
+
+        def step(forward=forward):
+            out = forward()
+            return (out, *torch.autograd.grad(out, (q, k, v), grad_out))
+
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+            outputs[path] = [t.detach().float() for t in step()]
+            torch.cuda.reset_peak_memory_stats()
+            ms = _time_ms(step, warmup, reps)
+        rows.append(
+            {
+                "shape": name,
+                "batch_heads_kv_seq_dim": [batch, heads, kv_heads, seq, head_dim],
+                "path": path,
+                "fwd_bwd_ms": ms,
+                "tflops": flops / ms / 1e9,
+                "mfu": flops / ms / 1e9 / PEAK_TFLOPS,
+                "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+            }
+        )
+    base = rows[0]["fwd_bwd_ms"]
+    for row in rows:
+        row["speedup"] = base / row["fwd_bwd_ms"]
+        row["rel_err"] = {
+            t: ((a - b).norm() / b.norm()).item()
+            for t, a, b in zip(("o", "dq", "dk", "dv"), outputs[row["path"]], outputs["cudnn-bf16"])
+        }
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention_fp8.json")
+    args = parser.parse_args()
+    rows = []
+    for name in args.shapes:
+        try:
+            rows += run_shape(name, args.warmup, args.reps)
+        except (
+            RuntimeError
+        ) as err:  # cuDNN refuses some shapes (e.g. head_dim 64 in the FP8 backward on Hopper)
+            print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
+    meta = {
+        "command": "python benchmarks/attention_fp8.py " + " ".join(sys.argv[1:]),
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "cudnn": torch.backends.cudnn.version(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+    print("| shape | path | fwd+bwd ms | TFLOP/s | MFU | peak mem | speedup | rel err o / dq / dk / dv |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        errs = " / ".join(f"{r['rel_err'][t]:.3f}" for t in ("o", "dq", "dk", "dv"))
+        print(
+            f"| {r['shape']} | {r['path']} | {r['fwd_bwd_ms']:.2f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% "
+            f"| {r['peak_mem_gb']:.1f} GB | {r['speedup']:.2f}x | {errs} |"
+        )
+
+
+if __name__ == "__main__":
+    main()
