@@ -215,12 +215,13 @@ def test_fp8_attention_trains_close_to_exact_attention_and_skips_other_cases():
     torch.testing.assert_close(attention(q, k, k, causal=True, fp8=scales), attention(q, k, k, causal=True))
 
 
-def test_fp8_attention_leaves_mla_layers_in_high_precision():
+def test_fp8_attention_refuses_a_model_without_gqa_attention_layers():
     from forge_lightning.modules.layers.mla import MultiLatentAttention
     from forge_lightning.performance.transforms import _enable_fp8_attention
 
     torch.manual_seed(0)
     model = DecoderLM(LLMConfig.from_preset("debug-deepseek"))
-    _enable_fp8_attention(_plan(model), torch.device("cpu"))
+    with pytest.raises(ValueError, match="no grouped-query Attention layer"):
+        _enable_fp8_attention(_plan(model), torch.device("cpu"))
     mla = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
     assert mla and all(m.fp8_scales is None for m in mla)

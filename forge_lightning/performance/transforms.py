@@ -147,6 +147,11 @@ def _enable_fp8_attention(plan: ParallelPlan, device: torch.device) -> None:
                 enabled += 1
             elif isinstance(module, SelfAttention):
                 other += 1
+    if not enabled:
+        raise ValueError(
+            "performance.fp8.attention: the trainable components have no grouped-query Attention layer (MLA and "
+            "other attention modules have no FP8 path); set performance.fp8.attention: false"
+        )
     backend = "cuDNN fused FP8" if device.type == "cuda" else "torch emulation"
     kept = f"; {other} other attention layers (MLA) stay in high precision" if other else ""
     rank_zero_info(f"fp8 attention: {enabled} layers ({backend}){kept}")
