@@ -5,7 +5,9 @@ included in the time. Shapes are the attention of the LLM benchmark's models at 
 transposed views of ``[B, S, heads, D]``, as the attention layers produce them). FLOPs count the causal half:
 3.5 · 2 · B · H · S² · D (forward 1, backward 2.5). Errors are relative L2 differences from the bf16 path.
 
-    python benchmarks/attention_fp8.py
+    python benchmarks/attention_fp8.py --shapes qwen3-4b llama3.1-8b
+
+(the Llama-3.2-1B shape's heads of 64 are refused on Hopper: cuDNN's FP8 backward takes head_dim 128 only)
 
 Prints one table; writes benchmarks/results/attention_fp8.json.
 """
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from forge_lightning.kernels.fp8_attention import FP8AttentionScales, fp8_attention
 
@@ -69,8 +72,6 @@ def run_shape(name: str, warmup: int, reps: int) -> list[dict]:
     }
     flops = 3.5 * 2 * batch * heads * seq * seq * head_dim
     rows, outputs = [], {}
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     for path, forward in paths.items():
 
         def step(forward=forward):

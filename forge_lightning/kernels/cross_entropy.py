@@ -55,6 +55,7 @@ from forge_lightning.kernels._dispatch import (
     triton_kernel,
     use_triton,
 )
+from forge_lightning.kernels.fp8 import quantize_fp8
 
 Reduction = Literal["mean", "sum", "none"]
 # A chunk's logits (C rows x V) are budgeted at this many elements (512 MiB in bf16); see _chunk_size.
@@ -186,7 +187,7 @@ ChunkLoss = Callable[..., None]
 
 
 @dataclass(frozen=True)
-class _FP8Matmuls:
+class _FP8Settings:
     """FP8 settings of the chunk loop (``None`` in its place: high-precision matmuls)."""
 
     fast_accum: bool
@@ -194,8 +195,6 @@ class _FP8Matmuls:
 
 def _quantize_2d(x: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """``x`` ``[M, K]`` in ``dtype`` with one per-tensor scale: (payload ``[M, K]`` row-major, descale ``[]``)."""
-    from forge_lightning.kernels.fp8 import quantize_fp8
-
     payload, descale = quantize_fp8(x, block=None, dtype=dtype)
     return payload.view(x.shape), descale.reshape(())
 
@@ -265,7 +264,7 @@ def _run_chunks(
     chunk_size: int,
     grad_scale: torch.Tensor | None,
     needs_grad: tuple[bool, bool],
-    fp8: _FP8Matmuls | None = None,
+    fp8: _FP8Settings | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Runs the chunk loop; returns per-token losses and, with ``grad_scale``, the input gradients."""
     n_tokens = hidden.shape[0]
@@ -378,7 +377,7 @@ def fused_linear_cross_entropy(
             f"fp8 cross-entropy needs the vocabulary and hidden sizes to be multiples of 16 (FP8 GEMM tiles), "
             f"got weight {tuple(weight.shape)}; pad the vocabulary or keep the LM head in high precision"
         )
-    matmuls = _FP8Matmuls(fast_accum) if fp8 else None
+    fp8_settings = _FP8Settings(fast_accum) if fp8 else None
     hidden2 = hidden.reshape(-1, hidden.shape[-1])
     labels1 = labels.reshape(-1).contiguous()
     chunk = chunk_size or _chunk_size(hidden2.shape[0], weight.shape[0], 2 if fp8 else 1)
@@ -386,11 +385,11 @@ def fused_linear_cross_entropy(
     chunk_loss = _chunk_loss_triton if use_triton(backend, hidden, weight, labels) else _chunk_loss_torch
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         loss = _FusedLinearCrossEntropy.apply(
-            hidden2, weight, labels1, opts, reduction, chunk_loss, chunk, matmuls
+            hidden2, weight, labels1, opts, reduction, chunk_loss, chunk, fp8_settings
         )
     else:  # evaluation: no gradients to compute or store
         per_token, _, _ = _run_chunks(
-            hidden2, weight, labels1, opts, chunk_loss, chunk, None, (False, False), matmuls
+            hidden2, weight, labels1, opts, chunk_loss, chunk, None, (False, False), fp8_settings
         )
         loss = _reduce(per_token, labels1, opts.ignore_index, reduction)
     return loss.view(labels.shape) if reduction == "none" else loss

@@ -108,8 +108,8 @@ def fp8_attention(
             on CUDA tensors, ``torch`` elsewhere).
 
     Returns:
-        ``[B, H, S, D]`` in ``q``'s dtype (``cudnn``: computed in bf16; a transposed view of a contiguous
-        ``[B, S, H, D]`` tensor).
+        ``[B, H, S, D]`` in ``q``'s dtype (``cudnn``: the e4m3 output dequantized; a transposed view of a
+        contiguous ``[B, S, H, D]`` tensor).
     """
     if q.dim() != 4 or k.shape != v.shape or q.shape[0] != k.shape[0] or q.shape[2:] != k.shape[2:]:
         raise ValueError(
@@ -156,7 +156,7 @@ class _RoundToE4M3(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: Tensor) -> Tensor:
         payload, descale = quantize_fp8(x, block=None, backend="torch")
-        return (payload.float() * descale).view(x.shape).to(x.dtype)
+        return dequantize_fp8(payload, descale, None, x.shape, x.dtype, backend="torch")
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> Tensor:
@@ -265,7 +265,7 @@ _AMAX = torch.empty(1, 1, 1, 1)  # shape and dtype of the amax outputs
 
 
 class _ForwardGraph:
-    """cuDNN ``sdpa_fp8`` graph for one set of shapes and strides (e4m3 q / k / v, bf16 O, fp32 stats)."""
+    """cuDNN ``sdpa_fp8`` graph for one set of shapes and strides (e4m3 q / k / v / O, fp32 stats)."""
 
     SCALES = ("descale_q", "descale_k", "descale_v", "descale_s", "scale_s", "scale_o")
 
@@ -285,7 +285,7 @@ class _ForwardGraph:
 
 
 class _BackwardGraph:
-    """cuDNN ``sdpa_fp8_backward`` graph (e4m3 q / k / v / dO, bf16 O and dQ / dK / dV)."""
+    """cuDNN ``sdpa_fp8_backward`` graph (e4m3 q / k / v / O / dO in, e4m3 dQ / dK / dV out, fp32 stats)."""
 
     SCALES = (
         "descale_q", "descale_k", "descale_v", "descale_o", "descale_dO", "descale_s", "descale_dP",

@@ -86,8 +86,8 @@ class Float8Config:
             attention on CUDA (Hopper or newer, ``pip install nvidia-cudnn-frontend``), its torch emulation
             elsewhere; see ``forge_lightning.kernels.fp8_attention``. Packed documents, masks and KV-cache decoding
             stay in bf16, MLA layers too.
-        fast_accum: cuBLAS fast accumulation in the two backward GEMMs as well (the forward GEMM always uses it):
-            faster, with less precise gradient sums.
+        fast_accum: cuBLAS fast accumulation in the two backward GEMMs as well (the forward GEMM always uses it),
+            in the block linears and, with ``lm_head``, in the output head's: faster, less precise gradient sums.
         lm_head: run the output head's three GEMMs inside the fused linear + cross-entropy in FP8 too (e4m3
             hidden states and weight, e5m2 logit gradients, per-tensor scales; see
             ``forge_lightning.kernels.fused_linear_cross_entropy``). Independent of ``exclude``, which lists the
@@ -104,8 +104,8 @@ class Float8Config:
 
 @dataclass(kw_only=True)
 class PerformanceConfig:
-    """Speed switches applied by every strategy in one order: TP → FP8 → kernels → activation
-    checkpointing → per-block ``torch.compile`` → FSDP / DDP (see ``forge_lightning.performance.transforms``).
+    """Speed switches applied by every strategy in one order: TP → FP8 → kernels → activation checkpointing →
+    per-block ``torch.compile`` → FSDP / DDP (see ``forge_lightning.performance.transforms``).
 
     Args:
         kernels: Triton kernels per layer type.

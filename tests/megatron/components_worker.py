@@ -23,19 +23,16 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import cuda_shim
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from encoder_decoder import EncoderConfig, EncoderDecoderLM, samples
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch.utils.data import DataLoader, DistributedSampler
 from worker_exit import exit_worker
 
-cuda_shim.install()
-
-import lightning.pytorch as pl  # noqa: E402
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-from encoder_decoder import EncoderConfig, EncoderDecoderLM, samples  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
-from lightning.pytorch.loggers import CSVLogger  # noqa: E402
-from torch.utils.data import DataLoader, DistributedSampler  # noqa: E402
-
-from forge_lightning.datamodules.base import StepDataModule  # noqa: E402
+from forge_lightning.datamodules.base import StepDataModule
 
 SEED = 7
 MODEL = dict(llm="debug", optimizer={"lr": 1e-3})
@@ -237,6 +234,7 @@ def run_case(out: Path, name: str) -> None:
 
 
 def main(out: Path, names: list[str]) -> None:
+    cuda_shim.install()  # here, not at import: test_components.py imports this module into the test session
     faulthandler.dump_traceback_later(240, exit=True)  # a hung collective fails with every thread's stack
     out.mkdir(parents=True, exist_ok=True)
     for name in names:

@@ -333,3 +333,21 @@ def test_sample_rows_pad_the_last_rank():
     assert [sample_rows(3, r, 2).tolist() for r in range(2)] == [[0, 1], [2, 2]]
     assert [sample_rows(4, r, 2).tolist() for r in range(2)] == [[0, 1], [2, 3]]
     assert [sample_rows(1, r, 4).tolist() for r in range(4)] == [[0], [0], [0], [0]]
+
+
+def test_megatron_strategy_refuses_the_fp8_performance_section():
+    # performance.fp8 (torchao linears, FP8 attention, the FP8 output head) is applied by the torch-native
+    # strategies only; under MegatronStrategy it would be silently ignored, so setup stops with the reason.
+    from unittest import mock
+
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from tiny import TINY_LLM
+
+    from forge_lightning.modules.llm import CausalLM
+    from forge_lightning.strategies.megatron import MegatronStrategy
+
+    strategy = MegatronStrategy()
+    strategy.accelerator = CPUAccelerator()
+    strategy._lightning_module = CausalLM(config=TINY_LLM, performance={"fp8": {"lm_head": True}})
+    with pytest.raises(ValueError, match="performance.fp8 is not applied under MegatronStrategy"):
+        strategy.setup(mock.MagicMock())

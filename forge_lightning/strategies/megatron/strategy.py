@@ -291,6 +291,11 @@ class MegatronStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
+        if getattr(getattr(self.lightning_module, "performance", None), "fp8", None) is not None:
+            raise ValueError(
+                "performance.fp8 is not applied under MegatronStrategy (megatron-core's FP8 runs through "
+                "TransformerEngine): remove performance.fp8, or train with FSDP2Strategy / DDPStrategy"
+            )
         self._bf16 = _bf16(trainer.precision)
         options = parse_components(self.components, self.tensor_model_parallel_size)
         parts = self._components = Components(self.lightning_module, options, self._degrees())
