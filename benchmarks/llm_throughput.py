@@ -41,6 +41,15 @@ FORGE_PATHS = {
     "forge-fp8-fastacc": {"fp8": {"recipe": "tensorwise", "fast_accum": True}},
     # every GEMM in FP8 (the LM head's inside the fused loss too), fast accumulation everywhere
     "forge-fp8-full": {"fp8": {"recipe": "tensorwise", "fast_accum": True, "lm_head": True}},
+    # forge-fp8-full with the k / v projections (N = 1024 at the 4B shape) left in bf16
+    "forge-fp8-full-kvbf16": {
+        "fp8": {
+            "recipe": "tensorwise",
+            "fast_accum": True,
+            "lm_head": True,
+            "exclude": ["lm_head", "*.lm_head", "*.k_proj", "*.v_proj"],
+        },
+    },  # fmt: skip
     "forge-fp8-rowwise": {"fp8": {"recipe": "rowwise"}},
     "forge-flash": {"attention": {"sdpa": ["flash", "efficient", "math"]}},
 }

@@ -79,8 +79,13 @@ def main() -> None:
     head = model.model.lm_head.weight
     labels = batches[0][:, 1:].reshape(-1)
 
+    fp8 = model.performance.fp8  # the step's own loss settings (FP8 head GEMMs with `fp8.lm_head`)
+    fp8_loss = dict(fp8=fp8 is not None and fp8.lm_head, fast_accum=fp8 is not None and fp8.fast_accum)
+
     def loss_only() -> None:
-        fused_linear_cross_entropy(hidden, head, labels, reduction="sum", backend="triton").backward()
+        fused_linear_cross_entropy(
+            hidden, head, labels, reduction="sum", backend="triton", **fp8_loss
+        ).backward()
 
     loss_only()
     loss_ms, _ = _kernel_ms(loss_only, args.steps)

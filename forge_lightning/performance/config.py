@@ -87,7 +87,8 @@ class Float8Config:
             elsewhere; see ``forge_lightning.kernels.fp8_attention``. Packed documents, masks and KV-cache decoding
             stay in bf16, MLA layers too.
         fast_accum: cuBLAS fast accumulation in the two backward GEMMs as well (the forward GEMM always uses it),
-            in the block linears and, with ``lm_head``, in the output head's: faster, less precise gradient sums.
+            in the block linears and, with ``lm_head``, in the output head's hidden-state gradient (its weight
+            gradient, one GEMM over every token, always accumulates precisely): faster, less precise sums.
         lm_head: run the output head's three GEMMs inside the fused linear + cross-entropy in FP8 too (e4m3
             hidden states and weight, e5m2 logit gradients, per-tensor scales; see
             ``forge_lightning.kernels.fused_linear_cross_entropy``). Independent of ``exclude``, which lists the

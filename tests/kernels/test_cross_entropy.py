@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from fp8_payload import assert_payload_matches
 
-from forge_lightning.kernels import fused_linear_cross_entropy
+from forge_lightning.kernels import cross_entropy, fused_linear_cross_entropy
 from forge_lightning.kernels.cross_entropy import _chunk_size, linear_cross_entropy_unfused
 
 IGNORE = -100
@@ -181,19 +182,72 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("z_loss", [0.0, 1e-4], ids=["one-weight-gemm", "zloss-gemm-per-chunk"])
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-def test_fp8_matmuls_stay_close_to_high_precision(reduction):
+def test_fp8_matmuls_stay_close_to_high_precision(reduction, z_loss):
     # e4m3 hidden states / weight and e5m2 logit gradients (the CPU emulation of the scaled GEMMs): the total loss
     # within 1% (per token 3%), the gradients within the few percent per-tensor FP8 rounding gives; 48 tokens in
     # chunks of 16.
     h, weight, labels = make_inputs(48, 64, 256, torch.float32, "cpu")
     upstream = torch.randn(48)
-    common = dict(reduction=reduction, upstream=upstream, chunk_size=16, z_loss=1e-4, backend="torch")
+    common = dict(reduction=reduction, upstream=upstream, chunk_size=16, z_loss=z_loss, backend="torch")
     fp8 = run(fused_linear_cross_entropy, h, weight, labels, fp8=True, **common)
     exact = run(fused_linear_cross_entropy, h, weight, labels, **common)
     assert _rel(fp8[0].sum(), exact[0].sum()) < 0.01 and _rel(fp8[0], exact[0]) < 0.03  # total, per token
     for got, want in zip(fp8[1:], exact[1:], strict=True):
         assert 1e-4 < _rel(got, want) < 0.1  # rounded (not the exact path), and close
+
+
+def test_fp8_weight_gradient_groups_agree(monkeypatch):
+    # Without z-loss the weight gradient is one GEMM per group of chunks whose transposed e5m2 gradients fit the
+    # buffer. 45 tokens (not a multiple of the GEMM's 16: zero-padded) in chunks of 8: one group, or groups of 16
+    # tokens (two chunks each, the last partial) added up; the same payloads, summed in another order.
+    h, weight, labels = make_inputs(45, 32, 128, torch.float32, "cpu")
+    common = dict(reduction="mean", chunk_size=8, fp8=True, backend="torch")
+    one_group = run(fused_linear_cross_entropy, h, weight, labels, **common)
+    monkeypatch.setattr(cross_entropy, "_FP8_GRAD_BUFFER_BYTES", 128 * 16)
+    groups = run(fused_linear_cross_entropy, h, weight, labels, **common)
+    for got, want in zip(groups, one_group, strict=True):
+        assert _rel(got, want) < 1e-5
+    exact = run(
+        fused_linear_cross_entropy, h, weight, labels, reduction="mean", chunk_size=8, backend="torch"
+    )
+    assert 1e-4 < _rel(groups[2], exact[2]) < 0.1
+
+
+def _fp8_grad_inputs(n_rows, vocab, device):
+    torch.manual_seed(0)
+    logits = (torch.randn(n_rows, vocab, device=device) * 4).to(torch.bfloat16)
+    labels = torch.randint(0, vocab, (n_rows,), device=device)
+    labels[::5] = IGNORE
+    loss, lse = torch.empty(n_rows, device=device), torch.empty(n_rows, device=device)
+    opts = cross_entropy._LossOptions(IGNORE, 1e-3, 0.1)
+    cross_entropy._chunk_loss_torch(logits, labels, loss, None, opts, lse)
+    grad_scale = torch.rand(n_rows, device=device) + 0.5
+    scale = cross_entropy._E5M2_MAX / cross_entropy._grad_bound(grad_scale, lse, labels, opts)
+    return logits, labels, lse, grad_scale, opts, scale
+
+
+def _fp8_grads(kernel, logits, labels, lse, grad_scale, opts, scale):
+    n_rows, vocab = logits.shape
+    out = torch.empty(n_rows, vocab, dtype=torch.float8_e5m2, device=logits.device)
+    out_t = torch.zeros(vocab, n_rows + 7, dtype=torch.float8_e5m2, device=logits.device)[:, 3 : 3 + n_rows]
+    kernel(logits, labels, lse, grad_scale, opts, scale, out, out_t)
+    return out, out_t
+
+
+def test_fp8_gradient_kernel_matches_reference(device):
+    # 150 rows x 300 vocabulary entries: partial 128-tiles both ways; both layouts, into a strided transposed view.
+    inputs = _fp8_grad_inputs(150, 300, device)
+    got = _fp8_grads(cross_entropy._chunk_grad_fp8_triton, *inputs)
+    want = _fp8_grads(cross_entropy._chunk_grad_fp8_torch, *inputs)
+    assert_payload_matches(got[0], want[0], torch.float8_e5m2, exact=False)  # exp differs by an fp32 ulp
+    assert torch.equal(got[1].view(torch.uint8), got[0].t().view(torch.uint8))
+    dequantized = want[0].float() / inputs[-1]
+    exact = cross_entropy._logit_grad(inputs[0].float(), inputs[1], inputs[2], inputs[4])
+    exact = exact * torch.where(inputs[1] != IGNORE, inputs[3], 0.0)[:, None]
+    assert (dequantized - exact).abs().max() <= 0.125 * exact.abs().max()  # e5m2: 2 mantissa bits
+    assert (dequantized[inputs[1] == IGNORE] == 0).all()
 
 
 def test_fp8_needs_gemm_tile_multiples():
@@ -213,5 +267,7 @@ def test_fp8_scaled_mm_matches_the_emulation(cuda):
         backend="torch", **common,
     )  # fmt: skip
     assert _rel(got[0].cpu(), want[0]) < 1e-3
+    for g, w in zip(got[1:], want[1:], strict=True):  # fast accumulation and bf16 outputs on the GPU
+        assert _rel(g.cpu(), w) < 0.02
     for g, w in zip(got[1:], want[1:], strict=True):
         assert _rel(g.cpu(), w) < 0.03
