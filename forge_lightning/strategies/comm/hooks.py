@@ -36,6 +36,8 @@ class CommHookState:
     min_compress_numel: int = 0
     block: int = 256
     error_feedback: bool = False
+    # Error-feedback residuals per parameter (id): DDP rebuilds its buckets after the first step, so a bucket's
+    # index does not name the same parameters throughout.
     residuals: dict[int, torch.Tensor] = field(default_factory=dict)
     bytes_sent: int = 0
     compressed_numel: int = 0
@@ -43,13 +45,18 @@ class CommHookState:
     streams: dict[torch.device, torch.cuda.Stream] = field(default_factory=dict)
 
 
-def _split(bucket: dist.GradBucket, state: CommHookState) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """(compressible gradient views, exact gradient views) of the bucket."""
+def _split(
+    bucket: dist.GradBucket, state: CommHookState
+) -> tuple[list[tuple[nn.Parameter, torch.Tensor]], list[torch.Tensor]]:
+    """((parameter, gradient view) pairs to compress, exact gradient views) of the bucket."""
     compress, exact = [], []
     for param, grad in zip(bucket.parameters(), bucket.gradients()):
-        (exact if id(param) in state.exact_params else compress).append(grad)
-    if sum(g.numel() for g in compress) < state.min_compress_numel:
-        return [], compress + exact
+        if id(param) in state.exact_params:
+            exact.append(grad)
+        else:
+            compress.append((param, grad))
+    if sum(g.numel() for _, g in compress) < state.min_compress_numel:
+        return [], [g for _, g in compress] + exact
     return compress, exact
 
 
@@ -103,15 +110,24 @@ def fp8_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fut
 
 
 def _fp8_reduce_(state: CommHookState, bucket: dist.GradBucket) -> None:
-    compress, exact = _split(bucket, state)
+    pairs, exact = _split(bucket, state)
     _exact_(exact, state)
-    if compress:
+    if pairs:
         world = dist.get_world_size(state.group)
+        compress = [g for _, g in pairs]
         flat = torch.cat([g.reshape(-1).float() for g in compress])
-        residual = None
+        residual = parts = None
         if state.error_feedback:
-            residual = state.residuals.setdefault(bucket.index(), torch.zeros_like(flat))
+            parts = [
+                state.residuals.setdefault(
+                    id(p), torch.zeros(g.numel(), dtype=torch.float32, device=g.device)
+                )
+                for p, g in pairs
+            ]
+            residual = torch.cat(parts)
         fp8_all_reduce_(flat, state.group, block=state.block, residual=residual)
+        if parts is not None:
+            _scatter(residual, parts)  # each parameter's new residual, for whichever bucket holds it next
         _scatter(flat, compress)
         state.compressed_numel += flat.numel()
         state.bytes_sent += fp8_all_reduce_bytes(flat.numel(), world, state.block)
@@ -123,8 +139,9 @@ def bf16_hook(state: CommHookState, bucket: dist.GradBucket) -> torch.futures.Fu
 
 
 def _bf16_reduce_(state: CommHookState, bucket: dist.GradBucket) -> None:
-    compress, exact = _split(bucket, state)
+    pairs, exact = _split(bucket, state)
     _exact_(exact, state)
+    compress = [g for _, g in pairs]
     if compress:
         world = dist.get_world_size(state.group)
         flat = torch.cat([g.reshape(-1) for g in compress]).to(torch.bfloat16)
