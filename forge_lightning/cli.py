@@ -7,16 +7,19 @@ model. Every run saves its resolved config next to its logs and checkpoints.
 
 from __future__ import annotations
 
-import sys
+import warnings
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule, Trainer
-from lightning.pytorch.callbacks import ProgressBar, RichProgressBar
+from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
+from forge_lightning.callbacks.progress import StepProgressBar
+from forge_lightning.callbacks.summary import ForgeModelSummary
+from forge_lightning.contracts import StrategyTraits, deferred_pretrained, traits_of
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig
 from forge_lightning.performance import PerformanceConfig
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
@@ -25,8 +28,9 @@ from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
 class ForgeCLI(LightningCLI):
     """LightningCLI whose model and data are any LightningModule / LightningDataModule chosen by class_path.
 
-    Adds top-level ``optimizer``, ``scheduler`` and ``performance`` sections (linked into the model), a rich progress bar and
-    atomic, ``weights_only`` checkpoint I/O by default.
+    Adds top-level ``optimizer``, ``scheduler`` and ``performance`` sections (linked into the model), a progress bar
+    counting optimizer steps (:class:`StepProgressBar`), a model summary without uncounted FLOPs
+    (:class:`ForgeModelSummary`) and atomic, ``weights_only`` checkpoint I/O by default.
     """
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
@@ -51,6 +55,17 @@ class ForgeCLI(LightningCLI):
         parser.link_arguments("performance", "model.init_args.performance", apply_on="instantiate")
 
     @override
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """Parse ``args`` when given, else ``sys.argv``, without LightningCLI's warning about having both.
+
+        Given ``args`` are the arguments: ``main(args=[...])`` and ``ForgeCLI(args=[...])`` are called from Python,
+        where ``sys.argv`` belongs to the host program (pytest, a notebook kernel) and is not read.
+        """
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="LightningCLI's args parameter is intended")
+            super().parse_arguments(parser, args)
+
+    @override
     def _parse_ckpt_path(self) -> None:
         """Keep the YAML as the one source of the run's config.
 
@@ -61,13 +76,12 @@ class ForgeCLI(LightningCLI):
 
     @override
     def instantiate_classes(self) -> None:
-        """Build the model under :func:`deferred_pretrained` when the strategy reads its own shards of the
-        pretrained weights (``reads_pretrained_shards``, e.g. megatron): no rank then loads the full model."""
+        """Build the model under :func:`~forge_lightning.contracts.deferred_pretrained` when the strategy reads its
+        own shards of the pretrained weights (``traits.reads_pretrained_shards``, e.g. megatron): no rank then loads
+        the full model."""
         config = self.config.get(self.subcommand) if self.subcommand else self.config
         strategy = config.get("trainer", {}).get("strategy") if config is not None else None
-        if _reads_pretrained_shards(strategy):
-            from forge_lightning.modules.llm.module import deferred_pretrained
-
+        if strategy_traits(strategy).reads_pretrained_shards:
             with deferred_pretrained():
                 super().instantiate_classes()
         else:
@@ -76,33 +90,35 @@ class ForgeCLI(LightningCLI):
     @override
     def _instantiate_trainer(self, config: dict[str, Any], callbacks: list) -> Trainer:
         callbacks = list(callbacks)
-        configured = list(config.get("callbacks") or [])
-        has_bar = any(isinstance(cb, ProgressBar) for cb in configured + callbacks)
-        if config.get("enable_progress_bar", True) is not False and not has_bar:
-            callbacks.append(RichProgressBar(leave=True))
+        configured = config.get("callbacks") or []
+        present = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
+        if not config.get("barebones"):  # barebones refuses progress bars and summaries
+            if config.get("enable_progress_bar", True) is not False and not _has(present, ProgressBar):
+                callbacks.append(StepProgressBar(leave=True))
+            if config.get("enable_model_summary", True) is not False and not _has(present, ModelSummary):
+                callbacks.append(ForgeModelSummary())
+                # Else Lightning logs on every run that it skips its default summary for this one.
+                config["enable_model_summary"] = False
         plugins = config.get("plugins")
         plugins = [] if plugins is None else list(plugins) if isinstance(plugins, list) else [plugins]
-        if not any(isinstance(p, CheckpointIO) for p in plugins) and _accepts_checkpoint_io(
+        owns_io = strategy_traits(
             config.get("strategy")
-        ):
+        ).owns_checkpoint_io  # sharded checkpoints: its own I/O
+        if not owns_io and not any(isinstance(p, CheckpointIO) for p in plugins):
             plugins.append(AtomicCheckpointIO())
         config["plugins"] = plugins or None
         return super()._instantiate_trainer(config, callbacks)
 
 
-def _accepts_checkpoint_io(strategy: Any) -> bool:
-    """Strategies that write sharded checkpoints own their I/O; the rest take the default plugin.
-
-    ``strategy`` is an instance, or a registered short name (``fsdp2``, ``megatron``...) resolved through
-    Lightning's strategy registry.
-    """
-    return not getattr(_resolve_strategy(strategy), "owns_checkpoint_io", False)
+def _has(callbacks: list, kind: type) -> bool:
+    return any(isinstance(cb, kind) for cb in callbacks)
 
 
-def _reads_pretrained_shards(strategy: Any) -> bool:
-    """Whether the configured strategy builds its model from the pretrained files itself, each rank reading its
-    own shards (``reads_pretrained_shards``, e.g. megatron)."""
-    return bool(getattr(_resolve_strategy(strategy), "reads_pretrained_shards", False))
+def strategy_traits(strategy: Any) -> StrategyTraits:
+    """The :class:`~forge_lightning.contracts.StrategyTraits` of the configured strategy: an instance, a registered
+    short name (``fsdp2``, ``megatron``...) resolved through Lightning's strategy registry, or a ``class_path``
+    namespace not yet instantiated (Lightning's own strategies and unknown names: all traits off)."""
+    return traits_of(_resolve_strategy(strategy))
 
 
 def _resolve_strategy(strategy: Any) -> Any:
@@ -125,9 +141,14 @@ def _resolve_strategy(strategy: Any) -> Any:
 
 
 def main(args: list[str] | None = None) -> None:
-    """Entry point of ``forge`` and ``python -m forge_lightning``."""
+    """Entry point of ``forge`` and ``python -m forge_lightning``.
+
+    Args:
+        args: the command line without the program name (``["fit", "--config", "x.yaml"]``); ``None`` reads
+            ``sys.argv``.
+    """
     try:
-        ForgeCLI(args=sys.argv[1:] if args is None else args)
+        ForgeCLI(args=args)  # None: LightningCLI reads sys.argv
     finally:
         # Tear the process group down before the interpreter exits: a group left to process exit can abort
         # in its communication threads' destructors ("terminate called without an active exception").

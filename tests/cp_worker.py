@@ -12,13 +12,13 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from forge_lightning.modules.layers.attention import DocumentMask, attention
-from forge_lightning.strategies.context_parallel import (
+from forge_lightning.distributed.context_parallel import (
     ContextParallel,
     hybrid_attention,
     ring_attention,
     ulysses_attention,
 )
+from forge_lightning.modules.layers.attention import DocumentMask, attention
 
 B, H, K, S, D = 2, 4, 2, 16, 8
 
@@ -103,7 +103,7 @@ def main() -> None:
             "packed_documents": _case(rank, world, None, _ulysses, documents=True),
         }
         try:
-            from forge_lightning.strategies.context_parallel import to_head_parallel
+            from forge_lightning.distributed.context_parallel import to_head_parallel
 
             to_head_parallel(torch.zeros(1, 3, 4, 2), ContextParallel(group=dist.group.WORLD))
         except ValueError as err:

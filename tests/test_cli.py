@@ -185,9 +185,8 @@ def test_two_process_ddp_matches_one_process(tiny_corpus, tmp_path):
 
 def test_registered_short_names_of_strategies_that_own_their_checkpoints_get_no_default_plugin():
     import forge_lightning.strategies  # noqa: F401  (registers the short names)
-    from forge_lightning.cli import _accepts_checkpoint_io
+    from forge_lightning.cli import strategy_traits
 
-    assert not _accepts_checkpoint_io("fsdp2") and not _accepts_checkpoint_io("megatron")
-    assert (
-        _accepts_checkpoint_io("ddp_fp8") and _accepts_checkpoint_io("auto") and _accepts_checkpoint_io(None)
-    )
+    assert strategy_traits("fsdp2").owns_checkpoint_io and strategy_traits("megatron").owns_checkpoint_io
+    for name in ("ddp_fp8", "auto", None):
+        assert not strategy_traits(name).owns_checkpoint_io

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from forge_lightning.strategies.context_parallel import (
+from forge_lightning.distributed.context_parallel import (
     ContextParallel,
     _FlashBlock,
     _MathBlock,

@@ -1,11 +1,13 @@
-"""The EMA callback: the average follows its formula, evaluation uses it, a resumed run continues it; under FSDP2 /
-HSDP (2 gloo processes, ``ema_worker.py``) it equals the single-process average and its DCP checkpoint resumes
-exactly, at another world size too."""
+"""The EMA callback: the average follows its formula, evaluation uses it, a resumed run continues it; it averages
+the tensors a strategy declares it trains (``TrainedParameters``) instead of the module's; under FSDP2 / HSDP (2 gloo
+processes, ``ema_worker.py``) it equals the single-process average and its DCP checkpoint resumes exactly, at
+another world size too. Under MegatronStrategy (TP 2): tests/test_callbacks_strategies.py."""
 
 import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import ema_worker
 import lightning.pytorch as pl
@@ -92,6 +94,47 @@ def test_resume_continues_the_same_average(tmp_path):
     )
     for a, b in zip(straight.average, resumed.average, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-7)
+
+
+class _TwinStrategy:
+    """Stands for a strategy that trains other tensors than the module's (MegatronStrategy's twin chunks)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors = tensors
+
+    def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        return list(self.tensors.items())
+
+
+def test_average_follows_the_strategys_trained_parameters_not_the_modules():
+    module, twin = _Regression(), {"model0.layer.weight": torch.zeros(1, 4)}
+    module_weight = module.layer.weight.detach().clone()
+    trainer = SimpleNamespace(strategy=_TwinStrategy(twin), global_step=0)
+    ema = EMA(decay=0.5)
+    ema.on_fit_start(trainer, module)
+    assert ema.names == ["model0.layer.weight"]
+    for step, value in ((1, 2.0), (2, 4.0)):  # the strategy's optimizer steps the twin's tensor
+        twin["model0.layer.weight"].fill_(value)
+        trainer.global_step = step
+        ema.on_train_batch_end(trainer, module, None, None, 0)
+    expected = torch.full((1, 4), 2.5)  # 0 -> 0.5 * 0 + 0.5 * 2 = 1 -> 0.5 * 1 + 0.5 * 4
+    torch.testing.assert_close(ema.average[0], expected, rtol=0, atol=0)
+    with ema.averaged(trainer, module):  # evaluation / export on the average: written into the twin's tensor
+        torch.testing.assert_close(twin["model0.layer.weight"], expected, rtol=0, atol=0)
+    torch.testing.assert_close(twin["model0.layer.weight"], torch.full((1, 4), 4.0), rtol=0, atol=0)
+    torch.testing.assert_close(module.layer.weight, module_weight, rtol=0, atol=0)  # never read nor written
+    assert ema.state_dict()["average"].keys() == {
+        "model0.layer.weight"
+    }  # per-parameter state, strategy names
+
+
+def test_megatron_refuses_trained_parameters_with_lazy_parameter_gather():
+    from forge_lightning.strategies.megatron import MegatronStrategy
+
+    strategy = MegatronStrategy(use_distributed_optimizer=True, overlap_param_gather=True)
+    message = r"overlap_param_gather=True\) gathers .* \(EMA\) cannot run: set overlap_param_gather: false"
+    with pytest.raises(ValueError, match=message):
+        strategy.trained_parameters()
 
 
 def test_bad_options_are_refused():

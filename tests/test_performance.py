@@ -7,10 +7,10 @@ import torch
 from tiny import TINY_LLM
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from forge_lightning.contracts import Component, ParallelPlan
 from forge_lightning.kernels import triton_available
 from forge_lightning.modules.layers.fused import FusedGatedMLP, FusedRMSNorm, FusedRopeAttention
 from forge_lightning.modules.llm import CausalLM, DecoderLM, LLMConfig
-from forge_lightning.modules.plan import Component, ParallelPlan
 from forge_lightning.performance import (
     PerformanceConfig,
     apply_activation_checkpointing,

@@ -9,6 +9,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from forge_lightning.contracts import traits_of
+
 
 class ClosedLoopEval(Callback):
     """Runs the policy in a gymnasium simulator every ``every_n_steps`` optimizer steps and at the end of training,
@@ -78,8 +80,7 @@ class ClosedLoopEval(Callback):
             raise TypeError(
                 f"ClosedLoopEval needs a policy with predict_action_chunk(batch); got {type(pl_module).__name__}"
             )
-        # Strategies that write sharded checkpoints (FSDP2, Megatron) are those that shard the model.
-        if trainer.world_size > 1 and getattr(trainer.strategy, "owns_checkpoint_io", False):
+        if trainer.world_size > 1 and traits_of(trainer.strategy).shards_model:
             raise ValueError(
                 f"ClosedLoopEval runs the policy on rank 0 only, which a sharded model ({type(trainer.strategy).__name__}) "
                 "cannot do: evaluate its checkpoint with forge-eval instead"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
@@ -9,6 +10,9 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
+
+from forge_lightning.callbacks.generation import check_generation_layout, lockstep
+from forge_lightning.contracts import data_parallel, module_weights
 
 METRICS = ("exact_match",)
 
@@ -20,7 +24,9 @@ class GenerationMetric(Callback):
     test. The datamodule provides ``generation_references("val")`` (prompt token ids + reference text),
     ``stop_token_ids`` and ``decode`` (as ``SFTDataModule`` does); the module provides ``generate`` (greedy with a
     KV cache). Answers and references are compared after stripping surrounding whitespace. Prompts are split
-    across data-parallel ranks and the counts summed.
+    across data-parallel ranks and the counts summed; the ranks decode in lockstep (see
+    :mod:`forge_lightning.callbacks.generation`), a rank with fewer batches decoding stand-in prompts, with the
+    trained weights in the module (``module_weights``: under ``MegatronStrategy`` the twin's, copied in).
 
     Args:
         metric: ``exact_match``.
@@ -49,33 +55,55 @@ class GenerationMetric(Callback):
         self.batch_size = batch_size
         self.history: list[tuple[int, float]] = []
 
+    @override
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        check_generation_layout(self, trainer)
+
     def evaluate(self, trainer: Trainer, pl_module: LightningModule) -> tuple[int, int]:
-        """(correct, total) over this rank's share of the references."""
+        """(correct, total) over this rank's share of the references. Collective: every rank calls it."""
         datamodule: Any = trainer.datamodule
         references = datamodule.generation_references("val")[: self.num_samples]
-        world = getattr(trainer.strategy, "data_parallel_size", None) or trainer.world_size
-        rank = getattr(trainer.strategy, "data_parallel_rank", None)
-        references = references[(trainer.global_rank if rank is None else rank) :: world]
+        world, rank = data_parallel(trainer.strategy)
+        references = references[rank::world]
         by_length: dict[int, list[Any]] = defaultdict(list)
         for reference in references:
             by_length[len(reference.prompt_ids)].append(reference)
+        chunks = [
+            group[start : start + self.batch_size]
+            for group in by_length.values()
+            for start in range(0, len(group), self.batch_size)
+        ]
         stop = datamodule.stop_token_ids
+        together = lockstep(trainer)
+        generate = functools.partial(
+            pl_module.generate,
+            max_new_tokens=self.max_new_tokens,
+            eos_token_id=None if together else stop or None,
+        )
+        num_batches = len(chunks)
+        if together:
+            # Ranks hold different numbers of equal-length batches: each runs as many decodings as the most (agreed
+            # before any decoding, whose collectives must pair up), the extra ones on a one-token stand-in prompt.
+            count = torch.tensor(len(chunks), device=trainer.strategy.root_device)
+            num_batches = int(trainer.strategy.reduce(count, reduce_op="max"))
         correct = 0
-        for group in by_length.values():
-            for start in range(0, len(group), self.batch_size):
-                chunk = group[start : start + self.batch_size]
-                prompts = torch.tensor([r.prompt_ids for r in chunk], device=pl_module.device)
-                out = pl_module.generate(
-                    prompts, max_new_tokens=self.max_new_tokens, eos_token_id=stop or None
-                )
-                for reference, row in zip(chunk, out[:, prompts.shape[1] :].tolist()):
+        # Entered by every rank (collective under MegatronStrategy), which then holds the whole model.
+        with module_weights(trainer.strategy):
+            device = pl_module.device
+            for i in range(num_batches):
+                if i >= len(chunks):
+                    generate(torch.zeros((1, 1), dtype=torch.long, device=device))
+                    continue
+                prompts = torch.tensor([r.prompt_ids for r in chunks[i]], device=device)
+                out = generate(prompts)
+                for reference, row in zip(chunks[i], out[:, prompts.shape[1] :].tolist()):
                     answer = datamodule.decode(_until_stop(row, stop))
                     correct += answer.strip() == reference.reference.strip()
         return correct, len(references)
 
     def _log(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         correct, total = self.evaluate(trainer, pl_module)
-        counts = torch.tensor([correct, total], dtype=torch.float64, device=pl_module.device)
+        counts = torch.tensor([correct, total], dtype=torch.float64, device=trainer.strategy.root_device)
         counts = trainer.strategy.reduce(counts, reduce_op="sum")
         if counts[1] == 0:
             return

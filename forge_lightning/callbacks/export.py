@@ -9,6 +9,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from forge_lightning.contracts import TextData
+
 
 class HFExport(Callback):
     """Writes the trained model as a Hugging Face directory (config.json + safetensors, and the tokenizer).
@@ -30,8 +32,7 @@ class HFExport(Callback):
         root = trainer.log_dir or trainer.default_root_dir
         out = Path(self.dirpath or os.path.join(root, "hf"))
         pl_module.save_pretrained(out, overwrite=True)
-        tokenizer = getattr(trainer.datamodule, "tokenizer", None)
-        if trainer.is_global_zero and hasattr(tokenizer, "save_pretrained"):
-            tokenizer.save_pretrained(out)
+        if trainer.is_global_zero and isinstance(trainer.datamodule, TextData):
+            trainer.datamodule.tokenizer.save_pretrained(out)
         self.exported_to = out
         rank_zero_info(f"exported Hugging Face weights to {out}")

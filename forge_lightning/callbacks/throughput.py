@@ -2,7 +2,10 @@
 
 A module reports what a batch holds by implementing ``batch_stats(batch) -> dict`` with any of ``samples``,
 ``tokens`` and ``flops`` (training FLOPs of the micro-batch: forward + backward). The callback times whole
-optimizer steps over a window and logs per-device and global rates.
+optimizer steps over a window and logs per-device and global rates. The global counts are summed over the
+data-parallel ranks (the ranks of one tensor-parallel group share their data rank's batch), and the per-device
+rates are the global ones over all processes. Devices are the strategy's (``root_device``): under
+``MegatronStrategy`` the LightningModule's own parameters stay on the CPU while the twin trains on the GPU.
 """
 
 from __future__ import annotations
@@ -17,7 +20,10 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from forge_lightning.contracts import MeasuredModule
+
 H200_BF16_PEAK_TFLOPS = 989.0
+_KEYS = ("samples", "tokens", "flops")
 
 
 class ThroughputMonitor(Callback):
@@ -41,7 +47,7 @@ class ThroughputMonitor(Callback):
         self._warm = False
 
     def _reset_window(self) -> None:
-        self._counts = {"samples": 0.0, "tokens": 0.0, "flops": 0.0}
+        self._counts = dict.fromkeys(_KEYS, 0.0)
         self._start_step: int | None = None
         self._data_wait = 0.0
         self._window_start: float | None = None
@@ -58,12 +64,12 @@ class ThroughputMonitor(Callback):
     ) -> None:
         now = time.perf_counter()
         if self._window_start is None:
-            _synchronize(pl_module.device)
+            _synchronize(trainer.strategy.root_device)
             self._window_start = time.perf_counter()
             self._start_step = trainer.global_step
         elif self._last_batch_end is not None:
             self._data_wait += now - self._last_batch_end
-        stats = pl_module.batch_stats(batch) if hasattr(pl_module, "batch_stats") else {}
+        stats = pl_module.batch_stats(batch) if isinstance(pl_module, MeasuredModule) else {}
         for key in self._counts:
             self._counts[key] += float(stats.get(key, 0.0))
 
@@ -75,7 +81,7 @@ class ThroughputMonitor(Callback):
         steps = trainer.global_step - (self._start_step or 0)
         if steps < self.window:
             return
-        _synchronize(pl_module.device)
+        _synchronize(trainer.strategy.root_device)
         elapsed = time.perf_counter() - self._window_start
         metrics = self._rates(trainer, pl_module, elapsed, steps)
         if self._warm:
@@ -90,19 +96,25 @@ class ThroughputMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, elapsed: float, steps: int
     ) -> dict[str, float]:
         world = trainer.world_size
+        # Summed by the strategy's reduce, over its data-parallel ranks: the TP ranks of one replica count its batch
+        # once (FSDP2Strategy reduces over its data-parallel group; DDP over all processes).
+        local = torch.tensor(
+            [self._counts[k] for k in _KEYS], dtype=torch.float64, device=trainer.strategy.root_device
+        )
+        counts = dict(zip(_KEYS, trainer.strategy.reduce(local, reduce_op="sum").tolist(), strict=True))
         metrics = {"throughput/step_time_s": elapsed / steps}
         for key in ("samples", "tokens"):
-            if self._counts[key]:
-                metrics[f"throughput/{key}_per_sec_per_device"] = self._counts[key] / elapsed
-                metrics[f"throughput/{key}_per_sec"] = self._counts[key] * world / elapsed
-        if self._counts["flops"]:
-            tflops = self._counts["flops"] / elapsed / 1e12
+            if counts[key]:
+                metrics[f"throughput/{key}_per_sec_per_device"] = counts[key] / world / elapsed
+                metrics[f"throughput/{key}_per_sec"] = counts[key] / elapsed
+        if counts["flops"]:
+            tflops = counts["flops"] / world / elapsed / 1e12
             metrics["throughput/tflops_per_device"] = tflops
-            peak = self._peak(pl_module.device)
+            peak = self._peak(trainer.strategy.root_device)
             if peak:
                 metrics["throughput/mfu"] = tflops / peak
         metrics["throughput/data_wait_pct"] = 100.0 * self._data_wait / elapsed
-        metrics["memory/peak_gb"] = _peak_memory_gb(pl_module.device)
+        metrics["memory/peak_gb"] = _peak_memory_gb(trainer.strategy.root_device)
         return metrics
 
     @override

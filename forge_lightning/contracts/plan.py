@@ -2,14 +2,15 @@
 
 A LightningModule returns a :class:`ParallelPlan` from ``parallel_plan()``. Strategies never know a model family:
 they read the plan's components, the repeated blocks inside each (the unit for FSDP wrapping, activation
-checkpointing and ``torch.compile``), the tensor-parallel plan and which components are frozen. A model made of
-several components that feed one decoder LM (a VLM: vision encoder -> projector -> LLM) also declares its
-:class:`Composition`, so that a strategy which rebuilds the decoder (``MegatronStrategy``) can run the rest.
+checkpointing and ``torch.compile``), the tensor-parallel plan with the sizes a tensor-parallel degree must divide,
+and which components are frozen. A model made of several components that feed one decoder (a VLM: vision encoder ->
+projector -> LLM) also declares its :class:`Composition`, so that a strategy which rebuilds the decoder
+(``MegatronStrategy``, through the module's megatron-core model) can run the rest as they are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
@@ -25,6 +26,9 @@ class Component:
         blocks: the repeated blocks inside ``module`` (e.g. decoder layers), in forward order.
         tp_plan: tensor-parallel styles keyed by module-name pattern relative to one block
             (``"self_attn.q_proj": "colwise"``), plus ``"<root>.name"`` entries for modules outside the blocks.
+        tp_dims: the sizes that a tensor-parallel degree splitting this component must divide, by the config
+            field they come from (``{"num_heads": 32, "num_kv_heads": 8, "vocab_size": 128256}``); checked once, by
+            :meth:`ParallelPlan.check_tensor_parallel`, before anything is sharded.
         frozen: whether the component's parameters are excluded from training.
     """
 
@@ -32,6 +36,7 @@ class Component:
     module: nn.Module
     blocks: list[nn.Module] = field(default_factory=list)
     tp_plan: dict[str, str] = field(default_factory=dict)
+    tp_dims: dict[str, int] = field(default_factory=dict)
     frozen: bool = False
 
 
@@ -43,11 +48,12 @@ class Composition:
         input_ids ──decoder's embedding──────┴─merge──> decoder inputs [b, T, H], labels [b, T] ──> decoder LM
 
     The native forward and every strategy use the same two functions, so a strategy may run the decoder as
-    another implementation (``MegatronStrategy``: its megatron-core twin) and the other components as they are.
+    another implementation (``MegatronStrategy``: the megatron-core model the module provides for it) and the
+    other components as they are.
 
     Args:
-        decoder: name of the decoder-LM component (its module is a ``DecoderLM``: an ``LLMConfig`` ``config``,
-            Hugging Face parameter names).
+        decoder: name of the decoder component (the one a strategy may rebuild; its family's megatron-core
+            model stands for it).
         encode: ``encode(batch) -> encoded``: runs every other component on the batch's samples and returns one
             tensor whose first dimension is the samples. Each sample must be encoded independently of the others
             (no batch statistics): a strategy may encode a micro-batch's samples in parts on different ranks and
@@ -92,3 +98,32 @@ class ParallelPlan:
             if comp.name == name:
                 return comp
         raise KeyError(f"no component named {name!r}; the plan has {[c.name for c in self.components]}")
+
+    def check_tensor_parallel(
+        self, size: int, *, option: str, components: Iterable[str] | None = None
+    ) -> None:
+        """Raise ``ValueError`` unless ``size`` divides every ``tp_dims`` entry of the components it splits.
+
+        Args:
+            size: the tensor-parallel degree.
+            option: the option that set it, for the message (``tensor_parallel_size``, ...).
+            components: the names of the components it splits (default: all).
+
+        Raises:
+            ValueError: naming every size ``size`` does not divide, with its component and field.
+        """
+        if size == 1:
+            return
+        names = {c.name for c in self.components} if components is None else set(components)
+        bad = [
+            f"{comp.name}.{field_name} ({value})"
+            for comp in self.components
+            if comp.name in names
+            for field_name, value in comp.tp_dims.items()
+            if value % size
+        ]
+        if bad:
+            raise ValueError(
+                f"{option} ({size}) must divide {', '.join(bad)}: each tensor-parallel rank holds an equal share "
+                "of them; choose a degree that divides every one"
+            )

@@ -30,6 +30,8 @@ from types import TracebackType
 
 import numpy as np
 
+from forge_lightning.atomic_io import replace
+
 _MAGIC = b"MMIDIDX\x00\x00"
 _VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequence count, document count
@@ -160,8 +162,8 @@ class IndexedDatasetWriter:
                 stream.write(chunk)
             stream.flush()
             os.fsync(stream.fileno())
-        os.replace(self._tmp_bin, bin_path(self.prefix))
-        os.replace(self._tmp_idx, idx_path(self.prefix))
+        replace(self._tmp_bin, bin_path(self.prefix))
+        replace(self._tmp_idx, idx_path(self.prefix))
 
     def abort(self) -> None:
         """Close and delete the temporary files; nothing is written to the prefix."""

@@ -43,6 +43,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from forge_lightning.contracts.megatron import CP_COMM_TYPES
+
 
 class _AllToAll(torch.autograd.Function):
     """All-to-all that scatters ``scatter_dim`` and gathers ``gather_dim``; its gradient is the reverse."""
@@ -63,10 +65,6 @@ def _all_to_all(x: Tensor, group: Any, scatter_dim: int, gather_dim: int) -> Ten
     outputs = [torch.empty_like(inputs[0]) for _ in range(world)]
     dist.all_to_all(outputs, inputs, group=group)
     return torch.cat(outputs, dim=gather_dim)
-
-
-CP_COMM_TYPES = ("a2a", "p2p", "a2a+p2p")
-"""Context-parallel attention algorithms, by megatron-core's ``cp_comm_type`` names: Ulysses, ring, both."""
 
 
 @dataclass(frozen=True)

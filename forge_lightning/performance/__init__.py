@@ -9,6 +9,7 @@ from forge_lightning.performance.config import (
     ResolvedPerformance,
     resolve,
 )
+from forge_lightning.performance.switches import changed_switches, check_applied, switch_names
 from forge_lightning.performance.transforms import (
     apply_activation_checkpointing,
     apply_compile,
@@ -18,6 +19,7 @@ from forge_lightning.performance.transforms import (
     apply_sdpa_backends,
     configure_performance,
     mark_applied,
+    module_switches,
 )
 
 __all__ = [
@@ -32,7 +34,11 @@ __all__ = [
     "apply_kernels",
     "apply_performance",
     "apply_sdpa_backends",
+    "changed_switches",
+    "check_applied",
     "configure_performance",
     "mark_applied",
+    "module_switches",
     "resolve",
+    "switch_names",
 ]

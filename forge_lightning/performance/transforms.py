@@ -7,10 +7,13 @@ wrapping::
     (strategy)           apply_performance (this module)                                          (strategy)
 
 Strategies that shard or parallelise the model (``FSDP2Strategy``) call :func:`apply_performance` themselves after
-TP and declare ``applies_performance = True``. For every other strategy (Lightning's single-device and DDP
-strategies and ours built on them, which wrap the model after ``configure_model``), the LightningModule's
-``configure_model`` calls :func:`configure_performance`. Each transform reads only the plan (components, blocks,
-frozen flags), never a model family, logs one line and keeps parameter names unchanged.
+TP and declare ``traits.applies_performance``; ``MegatronStrategy`` declares it too and hands the settings to the
+model it trains. For every other strategy (Lightning's single-device and DDP strategies and ours built on them,
+which wrap the model after ``configure_model``), the LightningModule's ``configure_model`` calls
+:func:`configure_performance`. Each transform reads only the plan (components, blocks, frozen flags), never a model
+family, logs one line and keeps parameter names unchanged. :func:`apply_performance` returns the switches it
+applied; with the module's own (``performance_switches``) they must cover every switch the run changed
+(:func:`~forge_lightning.performance.switches.check_applied`).
 """
 
 from __future__ import annotations
@@ -23,41 +26,85 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
-from forge_lightning.modules.plan import ParallelPlan
+from forge_lightning.contracts import ParallelPlan, TunedModule, traits_of
 from forge_lightning.performance.config import PerformanceConfig, resolve
+from forge_lightning.performance.switches import check_applied
 
 _APPLIED = "_forge_performance_applied"
+# The plain layer each Triton kernel replaces (messages).
+FUSED_LAYER_NAMES = {"rms_norm": "RMSNorm", "swiglu": "GatedMLP", "rope": "grouped-query Attention"}
 
 
-def apply_performance(plan: ParallelPlan, perf: PerformanceConfig, device: torch.device | str) -> None:
+# The switches apply_performance applies (FP8's own fields when FP8 is on; the selective-checkpointing ops with
+# selective checkpointing). `fp8.fsdp_all_gather` is FSDP2's, `fp8.lm_head` and the loss kernel the module's.
+_APPLIED_SWITCHES = frozenset(
+    {
+        "fp8",
+        "fp8.recipe",
+        "fp8.exclude",
+        "fp8.attention",
+        "fp8.fast_accum",
+        "kernels.rms_norm",
+        "kernels.rope",
+        "kernels.swiglu",
+        "attention.sdpa",
+        "activation_checkpointing",
+        "compile",
+    }
+)
+
+
+def apply_performance(
+    plan: ParallelPlan, perf: PerformanceConfig, device: torch.device | str
+) -> frozenset[str]:
     """Apply FP8, kernels, SDPA backends, activation checkpointing and compilation, in that order.
 
     Args:
         plan: the module's parallel plan (tensor parallelism, if any, already applied).
         perf: the run's performance settings.
         device: where the model trains (decides every ``auto``).
+
+    Returns:
+        The switches applied (see :mod:`~forge_lightning.performance.switches`).
     """
     resolved = resolve(perf, device)
     apply_fp8(plan, resolved.fp8, device)
-    apply_kernels(plan, resolved.kernels)
+    switched = apply_kernels(plan, resolved.kernels)
+    for name, count in switched.items():
+        if count == 0 and getattr(perf.kernels, name) == "triton":  # asked for, and nothing to switch
+            plain = FUSED_LAYER_NAMES[name]
+            raise ValueError(
+                f"performance.kernels.{name} ('triton') is not applied: the model has no {plain} layer for the kernel "
+                "to replace; leave it 'auto'"
+            )
     apply_sdpa_backends(resolved.sdpa)
     apply_activation_checkpointing(plan, resolved.activation_checkpointing, resolved.selective_save_ops)
     apply_compile(plan, enabled=resolved.compile)
+    selective = {"selective_save_ops"} if resolved.activation_checkpointing == "selective" else set()
+    return _APPLIED_SWITCHES | selective
 
 
 def configure_performance(module: Any) -> None:
-    """``configure_model`` helper of LightningModules: apply the module's ``performance`` unless the strategy does.
+    """``configure_model`` helper of LightningModules: apply the module's ``performance`` unless the strategy does,
+    and refuse the switches nobody applies.
 
     Idempotent (``configure_model`` runs for every ``fit`` / ``validate`` call).
 
     Args:
-        module: a LightningModule with ``parallel_plan()`` and a ``performance`` attribute, attached to a trainer.
+        module: a LightningModule with ``parallel_plan()`` and a ``performance`` attribute (a
+            :class:`~forge_lightning.contracts.TunedModule`), attached to a trainer.
     """
     strategy = module.trainer.strategy
-    if getattr(strategy, "applies_performance", False) or getattr(module, _APPLIED, False):
+    if traits_of(strategy).applies_performance or getattr(module, _APPLIED, False):
         return
-    apply_performance(module.parallel_plan(), module.performance, strategy.root_device)
+    applied = apply_performance(module.parallel_plan(), module.performance, strategy.root_device)
+    check_applied(module.performance, applied | module_switches(module), type(strategy).__name__)
     setattr(module, _APPLIED, True)
+
+
+def module_switches(module: Any) -> frozenset[str]:
+    """The switches ``module`` applies itself (``TunedModule.performance_switches``; none for other modules)."""
+    return frozenset(module.performance_switches) if isinstance(module, TunedModule) else frozenset()
 
 
 def mark_applied(module: nn.Module) -> None:
@@ -158,12 +205,15 @@ def _enable_fp8_attention(plan: ParallelPlan, device: torch.device) -> None:
 
 
 # ----- kernels and attention ---------------------------------------------------------------------------------
-def apply_kernels(plan: ParallelPlan, kernels: dict[str, str]) -> None:
+def apply_kernels(plan: ParallelPlan, kernels: dict[str, str]) -> dict[str, int]:
     """Switch the plan's RMSNorm / GatedMLP / Attention layers to their Triton twins where ``kernels`` says so.
 
     Args:
         plan: the module's parallel plan.
         kernels: resolved choice per kernel (``triton`` or ``torch``), see :func:`~forge_lightning.performance.resolve`.
+
+    Returns:
+        The layers switched per kernel set to ``triton``.
     """
     from forge_lightning.modules.layers.fused import FUSED_LAYERS
 
@@ -179,6 +229,7 @@ def apply_kernels(plan: ParallelPlan, kernels: dict[str, str]) -> None:
                     counts[name] += 1
     if counts:
         rank_zero_info(f"kernels: Triton for {counts}; cross-entropy {kernels.get('cross_entropy')}")
+    return counts
 
 
 def apply_sdpa_backends(backends: list[str] | None) -> None:

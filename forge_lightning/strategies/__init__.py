@@ -9,20 +9,12 @@ from lightning.pytorch.strategies import StrategyRegistry
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
 from forge_lightning.strategies.ddp import DDPStrategy
 from forge_lightning.strategies.fsdp2 import FSDP2Strategy
+
+# megatron-core (the optional ``megatron`` extra) is imported only when MegatronStrategy sets up.
+from forge_lightning.strategies.megatron import MegatronStrategy
 from forge_lightning.strategies.zero1 import ZeRO1Strategy
 
-__all__ = ["AtomicCheckpointIO", "DDPStrategy", "FSDP2Strategy", "ZeRO1Strategy"]
-
-
-def _megatron_strategy(**kwargs: object) -> object:
-    """``MegatronStrategy``, imported on first use: megatron-core is the optional ``megatron`` extra."""
-    from forge_lightning.strategies.megatron import MegatronStrategy
-
-    return MegatronStrategy(**kwargs)
-
-
-_megatron_strategy.owns_checkpoint_io = True  # as MegatronStrategy (read without importing megatron-core)
-_megatron_strategy.reads_pretrained_shards = True
+__all__ = ["AtomicCheckpointIO", "DDPStrategy", "FSDP2Strategy", "MegatronStrategy", "ZeRO1Strategy"]
 
 
 def _register() -> None:
@@ -37,7 +29,12 @@ def _register() -> None:
         ("zero1", ZeRO1Strategy, "DDP with the optimizer state sharded across ranks (ZeRO-1)", {}),
         ("ddp_bf16", DDPStrategy, "DDP with a bf16 gradient all-reduce", {"comm_hook": "bf16"}),
         ("ddp_fp8", DDPStrategy, "DDP with a block-scaled FP8 gradient all-reduce", {"comm_hook": "fp8"}),
-        ("megatron", _megatron_strategy, "megatron-core: TP / PP / VPP / SP, DDP, distributed optimizer", {}),
+        (
+            "megatron",
+            MegatronStrategy,
+            "megatron-core: TP / PP / VPP / SP / CP / EP, distributed optimizer",
+            {},
+        ),
     ]
     for name, cls, description, init_params in entries:
         if name not in StrategyRegistry:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -11,30 +10,15 @@ import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
+from forge_lightning.atomic_io import write_file
+
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
-    """Save ``obj`` with ``torch.save`` to a temporary file beside ``path``, fsync it, then rename it into place.
+    """Save ``obj`` with ``torch.save`` atomically and durably (:func:`forge_lightning.atomic_io.write_file`).
 
     A process killed at any point leaves either the previous file at ``path`` or the new one, never a torn file.
     """
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
+    write_file(path, lambda stream: torch.save(obj, stream))
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):

@@ -16,6 +16,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from typing_extensions import override
 
+from forge_lightning.contracts import PlannedModule
 from forge_lightning.strategies.comm.hooks import HOOKS, CommHookState, exact_parameters, make_comm_hook
 from forge_lightning.strategies.parallelize import ROOT_PREFIX
 
@@ -95,11 +96,10 @@ class DDPStrategy(LightningDDPStrategy):
 
 def _head_modules(module: nn.Module) -> list[nn.Module]:
     """Modules the plan marks as embedding / output head (its ``<root>.`` TP entries with those styles)."""
-    plan_fn = getattr(module, "parallel_plan", None)
-    if not callable(plan_fn):
+    if not isinstance(module, PlannedModule):
         return []
     heads = []
-    for comp in plan_fn():
+    for comp in module.parallel_plan():
         for name, style in comp.tp_plan.items():
             if name.startswith(ROOT_PREFIX) and style in _HEAD_STYLES:
                 heads.append(comp.module.get_submodule(name.removeprefix(ROOT_PREFIX)))

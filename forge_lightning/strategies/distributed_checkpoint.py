@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from forge_lightning.atomic_io import replace
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
 
 METADATA_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses, so either can read the other's
@@ -66,7 +67,7 @@ def save_distributed_checkpoint(
         atomic_torch_save(checkpoint, tmp / METADATA_FILE)
     barrier()
     if is_global_zero:
-        _replace(tmp, path)
+        replace(tmp, path)
     barrier()
 
 
@@ -81,19 +82,6 @@ def _take_dtensors(tree: Any, key: str, out: dict[str, Any]) -> Any:
         items = [_take_dtensors(v, f"{key}/{i}", out) for i, v in enumerate(tree)]
         return items if isinstance(tree, list) else tuple(items)
     return tree
-
-
-def _replace(tmp: Path, path: Path) -> None:
-    if path.is_dir():
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-        return
-    if path.exists():
-        path.unlink()
-    os.replace(tmp, path)
 
 
 def is_distributed_checkpoint(path: str | os.PathLike) -> bool:

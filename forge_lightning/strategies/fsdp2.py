@@ -7,13 +7,16 @@ The device mesh has three named dimensions::
 
 Transforms follow the one fixed order: TP (``forge_lightning.strategies.parallelize``) → the module's
 ``performance`` settings (FP8, kernels, activation checkpointing, per-block ``torch.compile``; see
-``forge_lightning.performance``) → ``fully_shard`` of every block, then of the LightningModule as the root. The root's step methods (``training_step`` ...) are registered as FSDP forward methods, so the parameters
-outside the blocks (embedding, final norm, output head) are gathered for the whole step even when the module
-calls submodule methods other than ``forward`` or reads a weight directly (a fused linear + cross-entropy).
+``forge_lightning.performance``) → ``fully_shard`` of every block, then of the LightningModule as the root.
+The root's step methods (``training_step`` ...) and ``generate`` are registered as FSDP forward methods, so the
+parameters outside the blocks (embedding, final norm, output head) are gathered for the whole step (or the whole
+generation) even when the module calls submodule methods other than ``forward`` or reads a weight directly (a
+fused linear + cross-entropy).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
@@ -29,8 +32,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from forge_lightning.modules.plan import ParallelPlan
-from forge_lightning.performance import PerformanceConfig, apply_performance, mark_applied
+from forge_lightning.contracts import ParallelPlan, PlannedModule, StrategyTraits, TunedModule
+from forge_lightning.performance import (
+    PerformanceConfig,
+    apply_performance,
+    check_applied,
+    mark_applied,
+    module_switches,
+)
 from forge_lightning.strategies import parallelize as par
 from forge_lightning.strategies.comm import FSDPCommHandles, apply_fsdp_comm_options, check_fsdp_comm_options
 from forge_lightning.strategies.distributed_checkpoint import (
@@ -48,7 +57,12 @@ _DTYPES = {
     "float16": torch.float16,
     "fp16": torch.float16,
 }
-_STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+# The module's entry points that run forwards: Lightning's steps, and ``generate`` (the generative-module
+# contract, called by TextSample / GenerationMetric outside any step, e.g. at the end of training). Each is
+# registered as an FSDP forward method of the root, so the root's own parameters (embedding, final norm, head) are
+# gathered while it runs; otherwise a call outside a step sees them as sharded DTensors ("aten.embedding.default
+# got mixed torch.Tensor and DTensor").
+_FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step", "generate")
 
 
 def _dtype(name: str | None, option: str) -> torch.dtype | None:
@@ -59,27 +73,42 @@ def _dtype(name: str | None, option: str) -> torch.dtype | None:
     return _DTYPES[name]
 
 
-def validate_degrees(world_size: int, data_parallel: int | str, replicate: int, tensor_parallel: int) -> int:
-    """Check the parallel degrees against the world size; return the resolved data-parallel size.
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSDPDims:
+    """FSDP2Strategy's parallel layout, validated once against the world size (:meth:`validate`); every message
+    names every degree.
 
     Args:
-        world_size: number of processes.
-        data_parallel: ``data_parallel_size`` (``"auto"``: ``world_size / tensor_parallel``).
-        replicate: ``data_parallel_replicate_size`` (HSDP replica groups; must divide the data-parallel size).
-        tensor_parallel: ``tensor_parallel_size``.
+        data_parallel_size: data-parallel ranks (replicas x shards; ``"auto"``: world size / TP size).
+        data_parallel_replicate_size: HSDP replica groups (must divide the data-parallel size).
+        tensor_parallel_size: tensor-parallel ranks per data-parallel rank.
     """
-    dp = world_size // max(tensor_parallel, 1) if data_parallel == "auto" else int(data_parallel)
-    degrees = (
-        f"data_parallel_size={data_parallel} (resolved {dp}), data_parallel_replicate_size={replicate}, "
-        f"tensor_parallel_size={tensor_parallel}, world size={world_size}"
-    )
-    if min(dp, replicate, tensor_parallel) < 1:
-        raise ValueError(f"every parallel degree must be at least 1: {degrees}")
-    if dp * tensor_parallel != world_size:
-        raise ValueError(f"data_parallel_size x tensor_parallel_size must equal the world size: {degrees}")
-    if dp % replicate != 0:
-        raise ValueError(f"data_parallel_replicate_size must divide data_parallel_size: {degrees}")
-    return dp
+
+    data_parallel_size: int | str = "auto"
+    data_parallel_replicate_size: int = 1
+    tensor_parallel_size: int = 1
+
+    def validate(self, world_size: int) -> int:
+        """Check the degrees against ``world_size``; return the resolved data-parallel size.
+
+        Raises:
+            ValueError: inconsistent degrees, all of them named in the message.
+        """
+        tp, replicate = self.tensor_parallel_size, self.data_parallel_replicate_size
+        dp = world_size // max(tp, 1) if self.data_parallel_size == "auto" else int(self.data_parallel_size)
+        degrees = (
+            f"data_parallel_size={self.data_parallel_size} (resolved {dp}), data_parallel_replicate_size="
+            f"{replicate}, tensor_parallel_size={tp}, world size={world_size}"
+        )
+        if min(dp, replicate, tp) < 1:
+            raise ValueError(f"every parallel degree must be at least 1: {degrees}")
+        if dp * tp != world_size:
+            raise ValueError(
+                f"data_parallel_size x tensor_parallel_size must equal the world size: {degrees}"
+            )
+        if dp % replicate != 0:
+            raise ValueError(f"data_parallel_replicate_size must divide data_parallel_size: {degrees}")
+        return dp
 
 
 class FSDP2Strategy(ModelParallelStrategy):
@@ -126,8 +155,8 @@ class FSDP2Strategy(ModelParallelStrategy):
     """
 
     strategy_name = "fsdp2"
-    owns_checkpoint_io = True
-    applies_performance = True  # after TP, before fully_shard (the module's configure_model leaves it to us)
+    # Performance after TP, before fully_shard (the module's configure_model leaves it to the strategy).
+    traits = StrategyTraits(owns_checkpoint_io=True, applies_performance=True, shards_model=True)
 
     def __init__(
         self,
@@ -203,9 +232,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         tp = int(self._tensor_parallel_size)
         if self.data_parallel_replicate_size == "auto":
             self.data_parallel_replicate_size = self.num_nodes
-        dp = validate_degrees(
-            self.world_size, self._data_parallel_size, self.data_parallel_replicate_size, tp
+        dims = FSDPDims(
+            data_parallel_size=self._data_parallel_size,
+            data_parallel_replicate_size=self.data_parallel_replicate_size,
+            tensor_parallel_size=tp,
         )
+        dp = dims.validate(self.world_size)
         self._data_parallel_size, self._tensor_parallel_size = dp, tp
         shard = dp // self.data_parallel_replicate_size
         from torch.distributed.device_mesh import init_device_mesh
@@ -297,9 +329,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         mesh = self.device_mesh
         if mesh["tp"].size() > 1:
             skip = [c.name for c in unsharded + replicated]
+            split = [c.name for c in plan if c.name not in skip and c.tp_plan]
+            plan.check_tensor_parallel(mesh["tp"].size(), option="tensor_parallel_size", components=split)
             par.apply_tensor_parallel(plan, mesh["tp"], sequence_parallel=self.sequence_parallel, skip=skip)
-        self._fp8_all_gather = _fp8_all_gather(module)
-        apply_performance(plan, getattr(module, "performance", None) or PerformanceConfig(), self.root_device)
+        perf = module.performance if isinstance(module, TunedModule) else PerformanceConfig()
+        self._fp8_all_gather = perf.fp8 is not None and perf.fp8.fsdp_all_gather
+        applied = apply_performance(plan, perf, self.root_device) | {"fp8.fsdp_all_gather"}
+        check_applied(perf, applied | module_switches(module), type(self).__name__)
         mark_applied(module)
         self._apply_fully_shard(module, plan, unsharded, replicated)
 
@@ -350,7 +386,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         _set_prefetch(sharded_blocks, self.forward_prefetch, self.backward_prefetch)
         # The root keeps its parameters gathered from forward to backward: it is needed first in backward.
         fully_shard(module, reshard_after_forward=False, ignored_params=ignored or None, **kwargs)
-        for name in _STEP_METHODS:
+        for name in _FORWARD_METHODS:
             if callable(getattr(module, name, None)):
                 register_fsdp_forward_method(module, name)
         self._apply_comm_options(module)
@@ -438,18 +474,12 @@ class FSDP2Strategy(ModelParallelStrategy):
 
 
 def _plan_of(module: nn.Module) -> ParallelPlan:
-    plan_fn = getattr(module, "parallel_plan", None)
-    if not callable(plan_fn):
+    if not isinstance(module, PlannedModule):
         raise TypeError(
             f"{type(module).__name__} has no parallel_plan(): the native strategies apply parallelism from the "
-            "module's ParallelPlan (see forge_lightning.modules.plan)"
+            "module's ParallelPlan (see forge_lightning.contracts.PlannedModule)"
         )
-    return plan_fn()
-
-
-def _fp8_all_gather(module: nn.Module) -> bool:
-    perf = getattr(module, "performance", None)
-    return bool(perf is not None and perf.fp8 is not None and perf.fp8.fsdp_all_gather)
+    return module.parallel_plan()
 
 
 def _set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:

@@ -1,4 +1,4 @@
-"""Shared helpers that turn a module's :class:`~forge_lightning.modules.plan.ParallelPlan` into parallelism, in
+"""Shared helpers that turn a module's :class:`~forge_lightning.contracts.ParallelPlan` into parallelism, in
 the one fixed order every native strategy uses::
 
     tensor parallelism ─ FP8 ─ kernels ─ activation checkpointing ─ torch.compile ─ FSDP / DDP
@@ -17,7 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from forge_lightning.modules.plan import Component, ParallelPlan
+from forge_lightning.contracts import Component, ParallelPlan
 
 ROOT_PREFIX = "<root>."
 TP_STYLES = ("colwise", "rowwise", "sequence", "rowwise_embedding", "colwise_output")

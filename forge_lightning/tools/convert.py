@@ -94,9 +94,9 @@ def _add_merge_lora(sub: argparse._SubParsersAction) -> None:
 
 
 def _megatron_convert(command: str) -> Any:
-    """``forge_lightning.strategies.megatron.convert``, imported on demand (it imports megatron-core)."""
+    """``forge_lightning.tools.megatron_convert``, imported on demand (it imports megatron-core)."""
     try:
-        return importlib.import_module("forge_lightning.strategies.megatron.convert")
+        return importlib.import_module("forge_lightning.tools.megatron_convert")
     except ImportError as err:
         raise SystemExit(
             f"forge-convert {command} needs megatron-core: install the `megatron` extra ({err})"

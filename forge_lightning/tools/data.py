@@ -33,6 +33,7 @@ import numpy as np
 from rich.console import Console
 from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeElapsedColumn
 
+from forge_lightning.atomic_io import write_file
 from forge_lightning.datamodules.corpus import DEFAULT_MAX_BYTES, collect_stdlib_corpus
 from forge_lightning.datamodules.indexed import (
     IndexedDataset,
@@ -410,9 +411,8 @@ def _current_quickstart(output: Path, settings: dict) -> dict | None:
 
 
 def _write_json_atomically(path: Path, content: dict) -> None:
-    temporary = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    temporary.write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
-    os.replace(temporary, path)
+    text = json.dumps(content, indent=2) + "\n"
+    write_file(path, lambda stream: stream.write(text.encode("utf-8")))
 
 
 def _since(start: float) -> str:

@@ -1,9 +1,10 @@
 """``forge-convert hf-to-megatron`` / ``megatron-to-hf``: Hugging Face <-> MegatronStrategy checkpoints.
 
-Both read and write MegatronStrategy's checkpoint format (see checkpoint.py): megatron-core's ``dist_checkpointing``
+Both read and write MegatronStrategy's checkpoint format (``forge_lightning/strategies/megatron/checkpoint.py``): megatron-core's ``dist_checkpointing``
 directory (torch_dist) + ``meta.pt`` + the Hugging Face ``config.json``. ``hf-to-megatron`` writes the weights
 only (no optimizer, no loop state); ``megatron-to-hf`` reads the weights of any checkpoint, whatever layout trained
-it. Conversion runs in one process (TP = PP = 1)::
+it. Conversion runs in one process (TP = PP = 1) through the decoder LM's megatron-core twin
+(``forge_lightning.modules.llm.megatron``)::
 
     forge-convert hf-to-megatron --hf HF_DIR --output MEGATRON_DIR
     forge-convert megatron-to-hf --megatron MEGATRON_DIR --output HF_DIR [--dtype bfloat16]
@@ -48,8 +49,7 @@ def _single_process_world() -> Any:
 
 
 def _build(config: LLMConfig) -> torch.nn.Module:
-    from forge_lightning.modules.llm.megatron import build_gpt_model, transformer_config
-    from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec
+    from forge_lightning.modules.llm.megatron import build_gpt_model, gpt_decoder_spec, transformer_config
 
     tf_config = transformer_config(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
     spec = gpt_decoder_spec(tf_config, use_transformer_engine=False)
@@ -63,7 +63,7 @@ def hf_to_megatron(hf_dir: str | os.PathLike[str], out_dir: str | os.PathLike[st
         hf_dir: Hugging Face directory (``config.json`` + safetensors).
         out_dir: the megatron checkpoint directory to create (must not exist or be empty).
     """
-    from forge_lightning.strategies.megatron.bridge import load_hf_checkpoint
+    from forge_lightning.modules.llm.megatron import load_hf_checkpoint
 
     hf_dir, out_dir = Path(hf_dir), Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -97,7 +97,7 @@ def megatron_to_hf(
         overwrite: replace a non-empty ``out_dir``.
     """
     from forge_lightning.modules.llm.hf import save_pretrained
-    from forge_lightning.strategies.megatron.bridge import export_hf_state
+    from forge_lightning.modules.llm.megatron import export_hf_state
 
     megatron_dir = Path(megatron_dir)
     ckpt.check_is_checkpoint(megatron_dir)

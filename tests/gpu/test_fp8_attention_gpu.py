@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from forge_lightning.contracts import Component, ParallelPlan
 from forge_lightning.kernels.fp8_attention import (
     DELAYED,
     HISTORY,
@@ -17,7 +18,6 @@ from forge_lightning.kernels.fp8_attention import (
     fp8_attention,
 )
 from forge_lightning.modules.llm import DecoderLM, LLMConfig
-from forge_lightning.modules.plan import Component, ParallelPlan
 from forge_lightning.performance import PerformanceConfig, apply_performance
 
 pytestmark = pytest.mark.gpu

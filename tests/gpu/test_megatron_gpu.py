@@ -17,9 +17,8 @@ import torch
 pytest.importorskip("megatron.core")
 
 from forge_lightning.modules.llm import LLMConfig
-from forge_lightning.modules.llm.megatron import build_gpt_model, transformer_config
-from forge_lightning.strategies.megatron import schedule
-from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec
+from forge_lightning.modules.llm.loss import LMLoss
+from forge_lightning.modules.llm.megatron import build_gpt_model, gpt_decoder_spec, steps, transformer_config
 from forge_lightning.strategies.megatron.optimizer import _choose_kernels
 
 pytestmark = [
@@ -61,7 +60,7 @@ def assert_same_step(
     and every parameter's gradient agree within ``TOL[dtype]``."""
     results = []
     for model in (expected, actual):
-        output, loss_func = schedule.forward_step(-100, iter([batch]), model)
+        output, loss_func = steps.forward_step(batch, model, model.loss)
         loss_func(output)[0].backward()
         results.append((output.detach().float(), {n: p.grad.float() for n, p in model.named_parameters()}))
     loss_tol, grad_tol = TOL[dtype]
@@ -86,7 +85,8 @@ def _twin(config: LLMConfig, dtype: torch.dtype, *, fused: bool) -> torch.nn.Mod
         gpt_decoder_spec(tf),
         pre_process=True,
         post_process=True,
-        loss_backend="triton" if fused else None,
+        loss=LMLoss(backend="triton"),
+        fused_loss=fused,
     )
     if not fused:
         for layer in model.decoder.layers:

@@ -9,8 +9,8 @@ import copy
 import pytest
 import torch
 
+from forge_lightning.contracts import Component, ParallelPlan
 from forge_lightning.modules.llm import DecoderLM, LLMConfig
-from forge_lightning.modules.plan import Component, ParallelPlan
 from forge_lightning.performance import PerformanceConfig, apply_performance
 
 pytestmark = pytest.mark.gpu

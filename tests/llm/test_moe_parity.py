@@ -28,7 +28,7 @@ from forge_lightning.modules.llm import (
     save_pretrained,
     split_experts,
 )
-from forge_lightning.modules.llm.module import LLM_TP_PLAN, CausalLM
+from forge_lightning.modules.llm.module import CausalLM
 
 VOCAB = 128
 _BASE = dict(
@@ -338,8 +338,26 @@ def test_selection_bias_stays_fp32_when_the_model_is_cast() -> None:
 def test_tensor_parallel_plan_names_only_existing_modules() -> None:
     dense = DecoderLM(LLMConfig.from_preset("debug"))
     assert block_tp_plan(list(dense.model.layers)) == {
-        k: v for k, v in LLM_TP_PLAN.items() if not k.startswith("<root>.")
+        "self_attn.q_proj": "colwise",
+        "self_attn.k_proj": "colwise",
+        "self_attn.v_proj": "colwise",
+        "self_attn.o_proj": "rowwise",
+        "mlp.gate_proj": "colwise",
+        "mlp.up_proj": "colwise",
+        "mlp.down_proj": "rowwise",
+        "input_layernorm": "sequence",
+        "post_attention_layernorm": "sequence",
     }
+    # The whole plan: the blocks' entries and the modules around the layers; every name exists in the model.
+    plan = dense.tp_plan()
+    assert {k: v for k, v in plan.items() if k.startswith("<root>.")} == {
+        "<root>.model.embed_tokens": "rowwise_embedding",
+        "<root>.model.norm": "sequence",
+        "<root>.lm_head": "colwise_output",
+    }
+    for name in plan:
+        if name.startswith("<root>."):
+            dense.get_submodule(name.removeprefix("<root>."))
     qwen2_moe = DecoderLM(LLMConfig.from_hf(build_hf("qwen2_moe").config.to_dict()))
     expected_mlp = {"mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj", "mlp.shared_expert.down_proj"}
     for model, mlp in [

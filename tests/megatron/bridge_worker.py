@@ -18,9 +18,13 @@ from megatron.core import parallel_state  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from forge_lightning.modules.llm.config import LLMConfig  # noqa: E402
-from forge_lightning.modules.llm.megatron import build_gpt_model, transformer_config  # noqa: E402
-from forge_lightning.strategies.megatron.bridge import export_hf_state, load_hf_checkpoint  # noqa: E402
-from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec  # noqa: E402
+from forge_lightning.modules.llm.megatron import (  # noqa: E402  # noqa: E402
+    build_gpt_model,
+    export_hf_state,
+    gpt_decoder_spec,
+    load_hf_checkpoint,
+    transformer_config,
+)
 
 
 def main(hf_dir: Path, out: Path) -> None:

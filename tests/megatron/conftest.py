@@ -60,6 +60,40 @@ def megatron_world():
     parallel_state.destroy_model_parallel()
 
 
+@pytest.fixture(scope="session")
+def _fit_plan_runs(request, tiny_corpus, tmp_path_factory):
+    """The ``forge fit`` runs of every test module of the session that uses ``fit_runs``, together: one worker
+    launch per process count (see fit_plan.py). Each module lists its runs in ``fit_plan(tiny_corpus, root)``
+    (``root``: a folder of its own for its inputs; run names are unique across the modules). Returns the runs and,
+    per module whose ``fit_plan`` raised, that error (its tests fail with it, the other modules' run)."""
+    import traceback
+
+    from fit_plan import run_plan
+
+    root = tmp_path_factory.mktemp("fit_plan")
+    modules = {
+        i.path: i.module for i in request.session.items if "fit_runs" in getattr(i, "fixturenames", ())
+    }
+    steps, errors = [], {}
+    for path, module in modules.items():
+        try:
+            (root / path.stem).mkdir()
+            steps += module.fit_plan(tiny_corpus, root / path.stem)
+        except Exception:
+            errors[path] = traceback.format_exc()
+    return run_plan(root, steps), errors
+
+
+@pytest.fixture(scope="module")
+def fit_runs(request, _fit_plan_runs):
+    """This module's ``forge fit`` runs (a :class:`fit_plan.PlanRuns`): read each with ``rows(name)`` or, for a run
+    that must fail, ``error(name)``; the folder its ``fit_plan`` wrote its inputs to is ``root / <module file stem>``."""
+    runs, errors = _fit_plan_runs
+    if request.path in errors:
+        pytest.fail(f"{request.path.name}: fit_plan raised\n{errors[request.path]}", pytrace=False)
+    return runs
+
+
 HF_TINY = {
     "llama": dict(
         model_type="llama",

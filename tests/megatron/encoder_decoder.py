@@ -8,8 +8,10 @@ of a VLM, built from config.
         [encoded; tokens] [b, N + S, H] ─> DecoderLM layers, norm, head; labels [ignore x N; labels]
 
 Its plan declares the components ``encoder`` (its blocks), ``projector`` and ``llm`` and the
-:class:`~forge_lightning.modules.plan.Composition` (``encode`` / ``merge``) that MegatronStrategy recomposes: the
-native forward below uses the same two functions.
+:class:`~forge_lightning.contracts.Composition` (``encode`` / ``merge``) that MegatronStrategy recomposes: the
+native forward below uses the same two functions. Under MegatronStrategy its decoder runs as the LLM family's
+megatron twin (``megatron_model``), the loss and its bookkeeping are the family's and the shared ones, as a VLM's
+would be.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from forge_lightning.contracts import Component, Composition, MegatronBuild, ParallelPlan
 from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.llm.loss import LMLoss
 from forge_lightning.modules.llm.model import DecoderLM
-from forge_lightning.modules.plan import Component, Composition, ParallelPlan
+from forge_lightning.modules.objective import GlobalBatchLoss
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
 
 COMPONENTS = ("encoder", "projector", "llm")
@@ -136,7 +140,7 @@ class EncoderDecoder(nn.Module):
 
 
 class EncoderDecoderLM(pl.LightningModule):
-    """The LightningModule of :class:`EncoderDecoder`: next-token loss over the text (token mean per micro-batch).
+    """The LightningModule of :class:`EncoderDecoder`: next-token loss over the text (the global batch's token mean).
 
     Args:
         llm: the decoder's config (an ``LLMConfig`` preset name or fields).
@@ -161,7 +165,7 @@ class EncoderDecoderLM(pl.LightningModule):
         self.optimizer_config = OptimizerConfig(**(optimizer or {}))
         self.scheduler_config = SchedulerConfig(**(scheduler or {"name": "constant"}))
         self.ignore_index = ignore_index
-        self._step_sums: Tensor | None = None
+        self.objective = GlobalBatchLoss()
         unknown = sorted(set(self.freeze) - set(COMPONENTS))
         if unknown:
             raise ValueError(f"freeze names {unknown}; the components are {list(COMPONENTS)}")
@@ -179,6 +183,13 @@ class EncoderDecoderLM(pl.LightningModule):
             composition=Composition(decoder="llm", encode=m.encode, merge=m.merge),
         )
 
+    def megatron_model(self, build: MegatronBuild) -> Any:
+        """The decoder as the LLM family's megatron twin; the strategy runs the encoder side as it is."""
+        from forge_lightning.modules.llm.megatron import DecoderTwin
+
+        loss = LMLoss(ignore_index=self.ignore_index)
+        return DecoderTwin(self.model.llm, build, loss=loss, objective=self.objective, log=self.log)
+
     def _loss_sum(self, batch: dict[str, Tensor]) -> tuple[Tensor, Tensor]:
         logits, labels = self.model(batch)
         loss_sum = F.cross_entropy(
@@ -188,19 +199,17 @@ class EncoderDecoderLM(pl.LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss_sum, tokens = self._loss_sum(batch)
-        step = torch.stack([loss_sum.detach().double(), tokens.double()])
-        self._step_sums = step if self._step_sums is None else self._step_sums + step
-        return loss_sum / tokens  # every micro-batch has as many trainable tokens: the step's token mean
+        return self.objective.training_loss(self, batch, loss_sum, tokens)
 
     def validation_step(self, batch: dict[str, Tensor], batch_idx: int) -> None:
         loss_sum, tokens = self._loss_sum(batch)
-        self.log("val/loss", loss_sum / tokens, batch_size=int(tokens), rank_zero_only=True)
+        self.objective.record_eval(torch.stack([loss_sum.detach().double(), tokens.double()]))
+
+    def on_validation_epoch_end(self) -> None:
+        self.objective.log_eval(self, "val")
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
-        if self._step_sums is not None:  # (MegatronStrategy logs train/loss itself)
-            sums = self.trainer.strategy.reduce(self._step_sums, reduce_op="sum")
-            self.log("train/loss", (sums[0] / sums[1]).float(), rank_zero_only=True)
-            self._step_sums = None
+        self.objective.log_train(self)
 
     def configure_optimizers(self) -> dict[str, Any]:
         optimizer = build_optimizer(self.model, self.optimizer_config, implementation="for_loop")

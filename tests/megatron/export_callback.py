@@ -1,18 +1,18 @@
-"""Test callback: the trained weights as Hugging Face safetensors at one global step (``full_model_state_dict``)."""
+"""Test callback: the trained weights as a Hugging Face directory at one global step (the module's
+``save_pretrained``, which gathers them through ``full_model_state_dict``)."""
 
 from pathlib import Path
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
-from safetensors.torch import save_file
 
 
 class ExportAtStep(Callback):
-    """Write ``trainer.strategy.full_model_state_dict()`` to ``path`` (rank 0) once ``global_step`` reaches ``step``.
+    """Write the module's Hugging Face export to ``path``'s directory once ``global_step`` reaches ``step``.
 
     Args:
         step: the optimizer step after which to export.
-        path: the safetensors file to write.
+        path: the safetensors file the export writes (``<dir>/model.safetensors``).
     """
 
     def __init__(self, step: int, path: str) -> None:
@@ -24,7 +24,4 @@ class ExportAtStep(Callback):
         if self.done or trainer.global_step != self.step:
             return
         self.done = True
-        state = trainer.strategy.full_model_state_dict()  # collective
-        if trainer.is_global_zero:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            save_file({k: v.contiguous() for k, v in state.items()}, self.path)
+        pl_module.save_pretrained(self.path.parent, overwrite=True)  # collective

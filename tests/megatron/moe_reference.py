@@ -163,28 +163,28 @@ def _balancing_loss(counts_E: torch.Tensor, prob_sum_E: torch.Tensor, tokens: in
     return (counts_E.numel() * (counts_E / tokens * prob_sum_E / tokens).sum()).item()
 
 
-def build_twin(model: DecoderLM, **degrees: Any) -> list[torch.nn.Module]:
-    """The strategy's DDP-wrapped twin of ``model`` at the layout of ``degrees`` (parallel state already set)."""
-    from types import SimpleNamespace
+def decoder_twin(model: DecoderLM, *, bf16: bool = False, **degrees: Any) -> Any:
+    """The decoder's megatron twin (``DecoderTwin``, as ``CausalLM.megatron_model`` builds it) at the layout of
+    ``degrees`` (megatron-core's option names; parallel state already set), on the CPU, in fp32 or bf16."""
+    from forge_lightning.contracts import MegatronBuild, MegatronDims
+    from forge_lightning.modules.llm.loss import LMLoss
+    from forge_lightning.modules.llm.megatron import DecoderTwin
+    from forge_lightning.modules.objective import GlobalBatchLoss
 
-    from forge_lightning.strategies.megatron.model import build_chunks, wrap_ddp
-
-    degrees = {
-        "tensor_model_parallel_size": 1,
-        "pipeline_model_parallel_size": 1,
-        "virtual_pipeline_model_parallel_size": None,
-        "context_parallel_size": 1,
-        "expert_model_parallel_size": 1,
-        "sequence_parallel": False,
-        "overlap_param_gather": False,
-        "use_distributed_optimizer": False,
-        **degrees,
-    }
-    module = SimpleNamespace(config=model.config, model=model)  # what build_chunks reads of a CausalLM
-    chunks = build_chunks(
-        module, degrees, device=torch.device("cpu"), bf16=False, use_transformer_engine=False
+    build = MegatronBuild(
+        dims=MegatronDims(**degrees), device=torch.device("cpu"), bf16=bf16, use_transformer_engine=False
     )
-    return wrap_ddp(chunks, degrees, overlap_grad_reduce=False)
+    return DecoderTwin(model, build, loss=LMLoss(), objective=GlobalBatchLoss(), log=lambda *a, **k: None)
+
+
+def build_twin(model: DecoderLM, **degrees: Any) -> list[torch.nn.Module]:
+    """The strategy's DDP-wrapped twin chunks of ``model`` at the layout of ``degrees`` (parallel state already
+    set)."""
+    from forge_lightning.contracts import MegatronDims
+    from forge_lightning.strategies.megatron.wrapping import wrap_ddp
+
+    chunks = decoder_twin(model, **degrees).build_chunks()
+    return wrap_ddp(chunks, MegatronDims(**degrees), overlap_grad_reduce=False)
 
 
 def megatron_run(
@@ -210,7 +210,10 @@ def megatron_run(
     for chunk in chunks:
         chunk.train()
         chunk.zero_grad_buffer()
-    sums = run_schedule(chunks, batches, ignore_index=-100, forward_only=False)
+
+    with torch.device("meta"):  # the twin's forward step only: no weights needed
+        twin = decoder_twin(DecoderLM(config))
+    sums = run_schedule(chunks, batches, forward_only=False, twin=twin)
     tracker = get_moe_layer_wise_logging_tracker()
     tracked = {k: v["values"].clone() for k, v in tracker.items()}
     return {"sums": sums, "tracked": tracked, "grads": hf_gradients(chunks, config)}
@@ -219,8 +222,7 @@ def megatron_run(
 def hf_gradients(chunks: list[torch.nn.Module], config: LLMConfig) -> dict[str, torch.Tensor]:
     """The chunks' finalised gradients (megatron DDP's ``main_grad``) gathered under Hugging Face names, on global
     rank 0: the weights' export path run on the gradients."""
-    from forge_lightning.modules.llm.megatron import unwrap
-    from forge_lightning.strategies.megatron.bridge import export_hf_state
+    from forge_lightning.modules.llm.megatron import export_hf_state, unwrap
 
     params = [p for chunk in chunks for p in unwrap(chunk).parameters()]
     saved = [p.data for p in params]

@@ -19,10 +19,14 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 
 from forge_lightning.modules.llm.hf import split_experts  # noqa: E402
-from forge_lightning.modules.llm.megatron import build_gpt_model, transformer_config  # noqa: E402
+from forge_lightning.modules.llm.megatron import (  # noqa: E402  # noqa: E402
+    build_gpt_model,
+    gpt_decoder_spec,
+    load_hf_checkpoint,
+    load_state,
+    transformer_config,
+)
 from forge_lightning.modules.llm.module import CausalLM  # noqa: E402
-from forge_lightning.strategies.megatron.bridge import load_hf_checkpoint, load_state  # noqa: E402
-from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec  # noqa: E402
 
 
 def compare(hf_dir: str, tp: int, pp: int, ep: int) -> dict:

@@ -7,9 +7,15 @@ import torch
 from safetensors.torch import load_file
 
 from forge_lightning.modules.llm.config import LLMConfig
-from forge_lightning.modules.llm.megatron import build_gpt_model, transformer_config
-from forge_lightning.strategies.megatron.bridge import export_hf_state, load_hf_checkpoint
-from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec
+from forge_lightning.modules.llm.loss import LMLoss
+from forge_lightning.modules.llm.megatron import (
+    build_gpt_model,
+    export_hf_state,
+    gpt_decoder_spec,
+    load_hf_checkpoint,
+    steps,
+    transformer_config,
+)
 
 
 def _twin(path):
@@ -61,7 +67,6 @@ def test_packed_rows_and_z_loss_match_the_native_model(megatron_world, hf_models
     document (llama3-scaled RoPE, grouped key/value heads), giving the native model's logits; with ``z_loss`` its
     per-token loss (the schedule's forward step) sums to the native ``loss_sum``."""
     from forge_lightning.modules.llm import CausalLM
-    from forge_lightning.strategies.megatron import schedule
 
     path, _ = hf_models["llama"]
     _, model = _twin(path)
@@ -72,7 +77,7 @@ def test_packed_rows_and_z_loss_match_the_native_model(megatron_world, hf_models
         torch.rand(2, 24, generator=torch.Generator().manual_seed(3)) < 0.3, -100
     )
     batch = {"input_ids": ids, "labels": labels, "document_ids": document_ids}
-    position_ids, documents = schedule.packed_inputs(batch, model)
+    position_ids, documents = steps.packed_inputs(batch, model)
     with torch.no_grad():
         expected = native(ids, document_ids=document_ids)
         torch.testing.assert_close(model(ids, position_ids, documents), expected, atol=1e-5, rtol=0)
@@ -84,8 +89,8 @@ def test_packed_rows_and_z_loss_match_the_native_model(megatron_world, hf_models
         torch.testing.assert_close(model(ids, shifted, documents), rotated, atol=1e-5, rtol=0)
         assert (rotated - expected).abs().max() > 1e-3
 
-    model.z_loss = native.z_loss
-    output, loss_func = schedule.forward_step(-100, iter([batch]), model)
+    model.loss = LMLoss(z_loss=native.z_loss)
+    output, loss_func = steps.forward_step(batch, model, model.loss)
     loss_sum, tokens, _ = loss_func(output)
     expected_sum, expected_tokens = native.loss_sum(batch)
     assert int(tokens) == int(expected_tokens)
@@ -99,10 +104,10 @@ def test_packed_rows_and_z_loss_match_the_native_model(megatron_world, hf_models
     ):
         grad = model.get_parameter(twin_name).grad
         torch.testing.assert_close(grad, native_param.grad, atol=1e-5 * native_param.grad.abs().max(), rtol=0)
-    model.z_loss = 0.0
+    model.loss = LMLoss()
     with torch.no_grad():
-        plain_sum = schedule.masked_loss_sum(
-            labels != -100, model(ids, position_ids, documents, labels=labels.clamp_min(0))
+        plain_sum = model.loss.reduce(
+            model(ids, position_ids, documents, labels=labels.clamp_min(0)), labels
         )[0]
     assert (loss_sum - plain_sum) > 1e-3  # the z-loss is in the sum
 
@@ -112,13 +117,11 @@ def test_fused_loss_equals_megatrons_output_layer_and_cross_entropy(megatron_wor
     """At TP = 1 the twin's per-token loss comes from forge's fused linear + cross-entropy (chunks of tokens, no
     [s, b, vocab] logits): the same losses, z-loss included, and gradients as megatron's output layer + its
     cross-entropy; without labels the twin still returns the logits."""
-    from forge_lightning.strategies.megatron import schedule
-
     path, _ = hf_models[arch]
     _, megatrons = _twin(path)
     config, fused = _twin(path)
-    fused.loss_backend = "torch"
-    assert megatrons.loss_backend is None
+    fused.fused_loss = True
+    assert not megatrons.fused_loss
     logits_built = []
     fused.output_layer.register_forward_hook(lambda *_: logits_built.append(True))
     ids = torch.randint(0, 128, (3, 20), generator=torch.Generator().manual_seed(4))
@@ -128,9 +131,9 @@ def test_fused_loss_equals_megatrons_output_layer_and_cross_entropy(megatron_wor
     batch = {"input_ids": ids, "labels": labels}
     sums = []
     for model in (megatrons, fused):
-        model.z_loss = 1e-2
+        model.loss = LMLoss(z_loss=1e-2, backend="torch")
         model.train()
-        output, loss_func = schedule.forward_step(-100, iter([batch]), model)
+        output, loss_func = steps.forward_step(batch, model, model.loss)
         assert output.shape == (3, 20) and output.dtype == torch.float32
         loss_sum, tokens, _ = loss_func(output)
         loss_sum.backward()
@@ -149,7 +152,6 @@ def test_fused_loss_equals_megatrons_output_layer_and_cross_entropy(megatron_wor
 def test_fused_activation_keeps_the_twins_function(megatron_world, hf_models):
     """megatron's compiled SiLU-and-multiply (``bias_activation_fusion``, on by default on CUDA) gives the twin the
     same losses and gradients as the plain activation."""
-    from forge_lightning.strategies.megatron import schedule
 
     path, _ = hf_models["llama"]
     config = LLMConfig.load(path)
@@ -165,7 +167,7 @@ def test_fused_activation_keeps_the_twins_function(megatron_world, hf_models):
         )
         model = build_gpt_model(config, tf, gpt_decoder_spec(tf), pre_process=True, post_process=True)
         load_hf_checkpoint([model], config, path)
-        output, loss_func = schedule.forward_step(-100, iter([batch]), model)
+        output, loss_func = steps.forward_step(batch, model, model.loss)
         loss_sum = loss_func(output)[0]
         loss_sum.backward()
         results.append((loss_sum.detach(), {n: p.grad for n, p in model.named_parameters()}))
@@ -180,8 +182,7 @@ def test_rope_in_the_core_attention_equals_megatrons_rope(megatron_world, hf_mod
     gradients as megatron's own rotate-half in its SelfAttention."""
     from megatron.core.transformer.attention import SelfAttention
 
-    from forge_lightning.strategies.megatron import schedule
-    from forge_lightning.strategies.megatron.layer_spec import FusedRopeSelfAttention
+    from forge_lightning.modules.llm.megatron.layer_spec import FusedRopeSelfAttention
 
     path, _ = hf_models["llama"]
     _, fused = _twin(path)
@@ -198,7 +199,7 @@ def test_rope_in_the_core_attention_equals_megatrons_rope(megatron_world, hf_mod
     batch = {"input_ids": ids, "labels": ids.roll(-1, dims=1), "document_ids": document_ids}
     results = []
     for model in (plain, fused):
-        position_ids, documents = schedule.packed_inputs(batch, model)
+        position_ids, documents = steps.packed_inputs(batch, model)
         logits = model(ids, position_ids, documents)
         logits.square().mean().backward()
         results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters()}))

@@ -228,8 +228,7 @@ def test_megatron_to_hf_reads_a_training_checkpoint_of_another_layout(runs):
 
 def _tiny_model(**overrides):
     from forge_lightning.modules.llm.config import LLMConfig
-    from forge_lightning.modules.llm.megatron import build_gpt_model, transformer_config
-    from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec
+    from forge_lightning.modules.llm.megatron import build_gpt_model, gpt_decoder_spec, transformer_config
 
     config = LLMConfig.load({**TINY_LLM, **overrides})
     tf = transformer_config(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
@@ -276,8 +275,12 @@ def test_a_checkpoint_of_another_shape_names_the_tensor(megatron_world, tmp_path
     config, model = _tiny_model()
     _save(model, config, tmp_path / "ckpt", global_step=1)
     other_config, other = _tiny_model(intermediate_size=96)
+    from moe_reference import decoder_twin
+
+    from forge_lightning.modules.llm.model import DecoderLM
+
     with pytest.raises(ValueError, match=r"intermediate_size: checkpoint 128, model 96"):
-        ckpt.check_model_config(tmp_path / "ckpt", other_config)
+        ckpt.check_model_config(tmp_path / "ckpt", decoder_twin(DecoderLM(other_config)))
     with pytest.raises(
         ValueError, match=r"decoder\.layers\.mlp\.linear_fc2\.weight: checkpoint \(2, 64, 128\)"
     ):
@@ -325,3 +328,17 @@ def test_the_strategy_keeps_its_checkpoint_io():
     assert isinstance(trainer.strategy.checkpoint_io, MegatronCheckpointIO)
     with pytest.raises(TypeError, match="through MegatronCheckpointIO, not TorchCheckpointIO"):
         pl.Trainer(plugins=[TorchCheckpointIO()], **kwargs)
+
+
+def test_a_tensor_parallel_weight_saved_whole_is_refused(megatron_world, monkeypatch):
+    """A twin whose sharded state dict gives a TP-split parameter unsplit would write TP rank 0's shard as the
+    whole tensor: the save refuses it, naming the parameter (here: a TP = 1 chunk seen as TP = 2)."""
+    from megatron.core import parallel_state
+
+    from forge_lightning.strategies.megatron import checkpoint as ckpt
+
+    _, model = _tiny_model()
+    ckpt.sharded_state_dict([model], None, is_loading=False)  # TP = 1: nothing to split
+    monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
+    with pytest.raises(ValueError, match=r"parameters \['embedding.word_embeddings.weight', .* saved whole"):
+        ckpt.sharded_state_dict([model], None, is_loading=False)

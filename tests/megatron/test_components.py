@@ -31,7 +31,7 @@ from conftest import torchrun
 from encoder_decoder import EncoderDecoderLM
 from torch.distributed.checkpoint import FileSystemReader
 
-from forge_lightning.modules.plan import Component, Composition, ParallelPlan
+from forge_lightning.contracts import Component, Composition, MegatronDims, ParallelPlan
 from forge_lightning.strategies.megatron.components import (
     ComponentOptions,
     parse_components,
@@ -246,7 +246,7 @@ def _plan() -> ParallelPlan:
 
 
 def _resolve(raw, **degrees):
-    return resolve_components(_plan(), parse_components(raw, 2), {**DEGREES, **degrees})
+    return resolve_components(_plan(), parse_components(raw, 2), MegatronDims(**{**DEGREES, **degrees}))
 
 
 def test_components_resolve_against_the_plan():
@@ -313,15 +313,16 @@ def test_bad_component_settings_are_refused(raw, degrees, error, match):
 def test_plans_without_composition():
     plan = _plan()
     single = ParallelPlan(components=[plan.component("llm")])
-    (llm,) = resolve_components(single, {"llm": ComponentOptions(recompute="full")}, DEGREES)
+    (llm,) = resolve_components(single, {"llm": ComponentOptions(recompute="full")}, MegatronDims(**DEGREES))
     assert llm.decoder and llm.recompute == "full"  # a CausalLM: its one component is the decoder
     with pytest.raises(ValueError, match="every component is frozen"):
-        resolve_components(single, {"llm": ComponentOptions(freeze=True)}, DEGREES)
+        resolve_components(single, {"llm": ComponentOptions(freeze=True)}, MegatronDims(**DEGREES))
     several = dataclasses.replace(plan, composition=None)
     with pytest.raises(
-        ValueError, match="no composition: MegatronStrategy needs to know which one is the decoder"
+        ValueError,
+        match="no composition: MegatronStrategy needs to know which one its megatron-core model stands for",
     ):
-        resolve_components(several, {}, DEGREES)
+        resolve_components(several, {}, MegatronDims(**DEGREES))
     with pytest.raises(ValueError, match=r"composition.decoder \('vision'\) must be one of the components"):
         ParallelPlan(
             components=[Component(name="llm", module=torch.nn.Linear(1, 1))],

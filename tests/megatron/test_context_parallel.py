@@ -21,9 +21,9 @@ from conftest import torchrun
 from context_parallel_worker import DENSE_CONFIGS, cp_config
 from moe_reference import micro_batches, native_model, native_reference
 
+from forge_lightning.contracts import MegatronDims
 from forge_lightning.modules.llm.config import LLMConfig
-from forge_lightning.strategies.megatron import schedule
-from forge_lightning.strategies.megatron.model import check_ulysses_heads, validate_degrees
+from forge_lightning.modules.llm.megatron import check_ulysses_heads, steps
 
 HERE = Path(__file__).resolve().parent
 MOE_NAMES = ["qwen3_moe", "qwen2_moe", "deepseek_v3"]
@@ -100,6 +100,10 @@ _DEGREES = dict(
 )
 
 
+def validate_degrees(world_size: int, degrees: dict) -> int:
+    return MegatronDims(**degrees).validate(world_size)
+
+
 def test_context_parallel_degrees():
     assert validate_degrees(2, _DEGREES) == 1
     assert validate_degrees(8, {**_DEGREES, "tensor_model_parallel_size": 2}) == 2  # DP = 8 / (TP 2 x CP 2)
@@ -147,7 +151,7 @@ def test_sequence_length_is_refused(monkeypatch):
         "labels": torch.zeros(2, 30, dtype=torch.long),
     }
     with pytest.raises(ValueError, match=r"sequence length \(30\) must be divisible by 4"):
-        schedule.shard_on_context_parallel_rank(batch)
+        steps.shard_on_context_parallel_rank(batch)
 
 
 @pytest.mark.parametrize("comm_type", ["p2p", "a2a+p2p"])
@@ -156,7 +160,7 @@ def test_packed_batches_with_ring_attention_are_refused(comm_type):
     from megatron.core.transformer.enums import AttnMaskType
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from forge_lightning.strategies.megatron.layer_spec import SDPACoreAttention
+    from forge_lightning.modules.llm.megatron.layer_spec import SDPACoreAttention
 
     config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2)
     core = SDPACoreAttention(config, 1, AttnMaskType.causal)
@@ -173,4 +177,4 @@ def test_packed_batches_with_multi_latent_attention_are_refused():
         "document_ids": torch.zeros(1, 8, dtype=torch.long),
     }
     with pytest.raises(NotImplementedError, match="packed batches .* multi-latent attention"):
-        schedule.packed_inputs(batch, model)
+        steps.packed_inputs(batch, model)

@@ -2,7 +2,10 @@
 
 import pytest
 import torch
+from moe_reference import decoder_twin
 
+from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.llm.model import DecoderLM
 from forge_lightning.strategies.megatron.schedule import check_interleaved_micro_batches, eval_micro_batches
 
 
@@ -31,7 +34,10 @@ def _tokens(batches: list[dict[str, torch.Tensor]]) -> tuple[int, list[int]]:
 @pytest.mark.parametrize(("size", "count"), [(4, 2), (3, 2), (1, 4), (2, 1)])
 def test_eval_micro_batches_keep_exactly_the_trainable_tokens(size, count):
     batch = _batch(size)
-    parts = eval_micro_batches(batch, count, ignore_index=-100)
+
+    with torch.device("meta"):  # the decoder twin's padding (every label ignored): no weights needed
+        twin = decoder_twin(DecoderLM(LLMConfig.from_preset("debug")))
+    parts = eval_micro_batches(batch, count, twin=twin)
     assert len(parts) == count
     assert _tokens(parts) == _tokens([batch])
     if size % count == 0:  # split, not padded

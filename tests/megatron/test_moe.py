@@ -6,30 +6,39 @@ gradient finalisation) against the native ``DecoderLM`` under the one batch rule
 and on two gloo processes at EP = 2 (DP = 2), TP = 2 with sequence parallelism and PP = 2 (``moe_worker.py``). Every
 gradient is gathered under its Hugging Face name (the export path) and compared. The router losses are compared
 where megatron's per-layer definition equals the native pooled one (one MoE layer) and, per layer, where it does not.
-``forge fit`` at EP = 2 (Qwen2-MoE, DeepSeek-V3) and TP = 2 + SP (DeepSeek-V3) gives the default strategy's losses.
+``forge fit`` at EP = 2 (Qwen2-MoE, DeepSeek-V3) and TP = 2 + SP (DeepSeek-V3) gives the default strategy's losses;
+those runs share conftest's ``fit_runs`` worker launches (one per process count, see fit_plan.py).
 """
 
-import csv
 import dataclasses
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
-from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import torchrun
-from moe_reference import build_twin, megatron_run, micro_batches, moe_config, native_model, native_reference
+from fit_plan import fit_step
+from moe_reference import (
+    build_twin,
+    decoder_twin,
+    megatron_run,
+    micro_batches,
+    moe_config,
+    native_model,
+    native_reference,
+)
 
+from forge_lightning.contracts import MegatronDims
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.hf import split_experts
-from forge_lightning.modules.llm.megatron import transformer_config, unwrap
-from forge_lightning.strategies.megatron.bridge import export_hf_state
+from forge_lightning.modules.llm.megatron import (
+    check_experts,
+    export_hf_state,
+    gpt_decoder_spec,
+    transformer_config,
+    unwrap,
+)
 from forge_lightning.strategies.megatron.checkpoint import check_expert_layout
-from forge_lightning.strategies.megatron.layer_spec import gpt_decoder_spec
-from forge_lightning.strategies.megatron.model import _check_experts, build_chunks, validate_degrees
 
 HERE = Path(__file__).resolve().parent
 TINY_YAML = HERE.parents[1] / "tests" / "configs" / "tiny_llm.yaml"
@@ -46,6 +55,10 @@ _ONE_PROCESS = dict(
     overlap_param_gather=False,
     use_distributed_optimizer=False,
 )
+
+
+def _validate(world_size: int, degrees: dict) -> int:
+    return MegatronDims(**degrees).validate(world_size)
 
 
 def _assert_matches(run: dict, ref: dict) -> None:
@@ -87,14 +100,7 @@ def test_selection_bias_stays_fp32_in_a_bf16_twin(megatron_world):
     stays fp32 (and exact) when megatron's Float16Module casts the model."""
     config = moe_config("deepseek_v3")
     model = native_model(config)
-    degrees = {**_ONE_PROCESS, "expert_model_parallel_size": 1}
-    (chunk,) = build_chunks(
-        SimpleNamespace(config=config, model=model),
-        degrees,
-        device=torch.device("cpu"),
-        bf16=True,
-        use_transformer_engine=False,
-    )
+    (chunk,) = decoder_twin(model, bf16=True).build_chunks()
     moe_layer = unwrap(chunk).decoder.layers[1].mlp
     assert moe_layer.experts.local_experts[0].linear_fc1.weight.dtype == torch.bfloat16
     router = moe_layer.router
@@ -168,29 +174,29 @@ def test_unsupported_layouts_and_models_are_refused():
     with pytest.raises(
         ValueError, match=r"expert_model_parallel_size \(2\) x expert_tensor_parallel_size \(2\) must divide"
     ):
-        validate_degrees(2, {**degrees, "tensor_model_parallel_size": 2})
-    assert validate_degrees(4, {**degrees, "tensor_model_parallel_size": 2}) == 2
+        _validate(2, {**degrees, "tensor_model_parallel_size": 2})
+    assert _validate(4, {**degrees, "tensor_model_parallel_size": 2}) == 2
     with pytest.raises(ValueError, match="needs a mixture-of-experts model"):
-        _check_experts(LLMConfig.from_preset("debug"), 2)
+        check_experts(LLMConfig.from_preset("debug"), 2)
     with pytest.raises(ValueError, match=r"must divide moe.num_experts \(8\)"):
-        _check_experts(moe, 3)
+        check_experts(moe, 3)
     with pytest.raises(
         ValueError, match=r"expert_tensor_parallel_size \(3\) must divide moe.intermediate_size"
     ):
-        _check_experts(moe, 1, 3)
+        check_experts(moe, 1, 3)
     with pytest.raises(
         ValueError, match=r"expert_tensor_parallel_size \(2\) needs a mixture-of-experts model"
     ):
-        _check_experts(LLMConfig.from_preset("debug"), 1, 2)
+        check_experts(LLMConfig.from_preset("debug"), 1, 2)
     etp1 = {
         **degrees,
         "tensor_model_parallel_size": 2,
         "expert_tensor_parallel_size": 1,
         "sequence_parallel": True,
     }
-    assert validate_degrees(2, etp1) == 1  # EP = 2 laid over the two TP ranks
+    assert _validate(2, etp1) == 1  # EP = 2 laid over the two TP ranks
     with pytest.raises(ValueError, match=r"\(2\) x expert_tensor_parallel_size \(2\) must divide"):
-        validate_degrees(2, {**etp1, "expert_tensor_parallel_size": 2})
+        _validate(2, {**etp1, "expert_tensor_parallel_size": 2})
 
     def layout(ep: int, tp: int = 1, etp: int | None = None) -> dict:
         return {
@@ -213,10 +219,6 @@ def test_unsupported_layouts_and_models_are_refused():
 # ------------------------------------------------------------------------------------- the strategy, end to end
 
 
-def _metrics(root: Path, name: str) -> list[dict[str, str]]:
-    return list(csv.DictReader((root / "runs" / "tests" / name / "version_0" / "metrics.csv").open()))
-
-
 def _column(rows: list[dict[str, str]], key: str) -> dict[int, float]:
     return {int(r["step"]): float(r[key]) for r in rows if r.get(key)}
 
@@ -231,34 +233,25 @@ def _fit(
     batch: int,
     steps: int = 3,
     save_every: int = 0,
-    expect_error: str | None = None,
-) -> list[dict[str, str]]:
-    """``forge fit`` of the tiny YAML with ``config`` for ``steps`` steps (no validation; checkpoints under
-    ``root/ckpt_<name>`` every ``save_every`` steps); its logged metrics, or with ``expect_error`` the check that the
-    run failed with that text in its output."""
-    config_json = root / "config.json"
+    expect_error: bool = False,
+) -> dict:
+    """The plan step of ``forge fit`` of the tiny YAML with ``config`` (as it is now) for ``steps`` steps (no
+    validation; checkpoints under ``root/ckpt_<name>`` every ``save_every`` steps)."""
+    config_json = root / f"config_{name}.json"
     config_json.write_text(json.dumps(config.to_hf()))
-    cmd = [sys.executable, str(HERE / "forge_entry.py"), "fit", "--config", str(TINY_YAML)]
-    cmd += ["--model.init_args.config", str(config_json)]
-    cmd += ["--data.data_prefix", str(corpus["prefix"]), "--data.tokenizer", str(corpus["tokenizer"])]
-    cmd += ["--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0"]
+    cli = ["fit", "--config", str(TINY_YAML), "--model.init_args.config", str(config_json)]
+    cli += ["--data.data_prefix", str(corpus["prefix"]), "--data.tokenizer", str(corpus["tokenizer"])]
+    cli += ["--trainer.max_steps", str(steps), "--trainer.limit_val_batches", "0"]
     if save_every:
-        cmd += [
+        cli += [
             "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: "
-            f"{{dirpath: ckpt_{name}, every_n_train_steps: {save_every}, save_top_k: -1}}}}]"
+            f"{{dirpath: {root / f'ckpt_{name}'}, every_n_train_steps: {save_every}, save_top_k: -1}}}}]"
         ]
     else:
-        cmd += ["--trainer.enable_checkpointing", "false"]
-    cmd += ["--trainer.devices", str(devices), "--data.batch_size", str(batch)]
-    cmd += ["--trainer.logger.init_args.name", name, *args]
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
-    env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=300)
-    if expect_error is not None:
-        assert proc.returncode != 0 and expect_error in proc.stdout + proc.stderr, proc.stderr[-3000:]
-        return []
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    return _metrics(root, name)
+        cli += ["--trainer.enable_checkpointing", "false"]
+    cli += ["--trainer.devices", str(devices), "--data.batch_size", str(batch)]
+    cli += ["--trainer.logger.init_args.name", name, *args]
+    return fit_step(name, cli, nproc=devices, expect_error=expect_error)
 
 
 LOGGED = ("train/loss", "train/router_z_loss")
@@ -280,9 +273,59 @@ def _assert_same_losses(
 EP2 = ["--trainer.strategy", STRATEGY, "--trainer.strategy.expert_model_parallel_size", "2"]
 TP2_SP = ["--trainer.strategy", STRATEGY, "--trainer.strategy.tensor_model_parallel_size", "2"]
 TP2_SP += ["--trainer.strategy.sequence_parallel", "true"]
+ETP1 = [*TP2_SP, "--trainer.strategy.expert_tensor_parallel_size", "1"]
+PP2 = ["--trainer.strategy", STRATEGY, "--trainer.strategy.pipeline_model_parallel_size", "2"]
+RESUMED_AT = "epoch=0-step=2.ckpt"
 
 
-def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path):
+def _qwen2_moe() -> LLMConfig:
+    config = moe_config("qwen2_moe")
+    config.vocab_size = 512  # the tiny corpus's tokenizer
+    config.moe.aux_loss_coef = 0.0
+    return config
+
+
+def fit_plan(corpus: dict[str, Path], root: Path) -> list[dict]:
+    """The runs of the three ``forge fit`` tests below (for conftest's ``fit_runs``; names prefixed ``qwen2_``,
+    ``deepseek_`` and ``resume_``), their inputs under ``root``."""
+    qwen2 = _qwen2_moe()
+    deepseek = moe_config("deepseek_v3")
+    deepseek.vocab_size = 512  # the tiny corpus's tokenizer
+    # Its config is written now, with moe.bias_update_rate 0 (the default); the other DeepSeek-V3 runs' with 0.05.
+    fixed_bias = _fit(root, corpus, deepseek, "deepseek_fixed_bias", devices=1, batch=4)
+    deepseek.moe.bias_update_rate = 0.05
+    ckpt = str(root / "ckpt_resume_ep2" / RESUMED_AT)
+    resume = dict(devices=2, steps=4)
+    etp1_ep2 = [*ETP1, "--trainer.strategy.expert_model_parallel_size", "2"]
+    return [
+        _fit(root, corpus, qwen2, "qwen2_reference", devices=1, batch=4),
+        fixed_bias,
+        _fit(root, corpus, deepseek, "deepseek_reference", devices=1, batch=4),
+        _fit(root, corpus, qwen2, "qwen2_ep2", *EP2, devices=2, batch=2),
+        _fit(root, corpus, qwen2, "qwen2_tp2_sp_etp1", *ETP1, devices=2, batch=4),
+        _fit(root, corpus, qwen2, "qwen2_pp2", *PP2, devices=2, batch=4),
+        _fit(root, corpus, deepseek, "deepseek_ep2", *EP2, devices=2, batch=2),
+        _fit(root, corpus, deepseek, "deepseek_tp2_sp", *TP2_SP, devices=2, batch=4),
+        _fit(root, corpus, deepseek, "deepseek_native_dp2", devices=2, batch=2),
+        _fit(root, corpus, qwen2, "resume_ep2", *EP2, devices=2, batch=2, steps=4, save_every=2),
+        _fit(root, corpus, qwen2, "resume_ep2_same", *EP2, "--ckpt_path", ckpt, batch=2, **resume),
+        _fit(root, corpus, qwen2, "resume_etp1", *etp1_ep2, "--ckpt_path", ckpt, batch=4, **resume),
+        _fit(
+            root,
+            corpus,
+            qwen2,
+            "resume_tp2_refused",
+            *TP2_SP,
+            "--ckpt_path",
+            ckpt,
+            batch=4,
+            expect_error=True,
+            **resume,
+        ),
+    ]
+
+
+def test_strategy_expert_parallel_fit_matches_one_process(fit_runs):
     """``forge fit`` of a Qwen2-MoE (one dense, one MoE layer with a gated shared expert, the router z-loss) with
     MegatronStrategy at EP = 2, at TP = 2 with sequence parallelism and whole experts (ETP = 1), and at PP = 2, on 2
     processes reproduces the default strategy's losses and expert load on one process.
@@ -290,43 +333,35 @@ def test_strategy_expert_parallel_fit_matches_one_process(tiny_corpus, tmp_path)
     The load-balancing loss is off here: it is not linear in the tokens (a batch's is not the mean of its halves'),
     so DP = 2 and one process differ with it; the two-process worker test covers it at EP = 2 against the native
     model on the same split."""
-    config = moe_config("qwen2_moe")
-    config.vocab_size = 512  # the tiny corpus's tokenizer
-    config.moe.aux_loss_coef = 0.0
-    reference = _fit(tmp_path, tiny_corpus, config, "reference", devices=1, batch=4)
-    rows = _fit(tmp_path, tiny_corpus, config, "ep2", *EP2, devices=2, batch=2)
+    reference = fit_runs.rows("qwen2_reference")
+    rows = fit_runs.rows("qwen2_ep2")
     # The expert load of the global batch: natively that of the one process's forward, here summed over ranks.
     _assert_same_losses(rows, reference, "ep2", keys=(*LOGGED, "moe/expert_load_max_over_mean"))
     # Whole experts on both TP ranks (ETP = 1, EP = 1): their gradients are reduced across the TP ranks, which
     # routed different tokens, and they get megatron's separate expert optimizer.
-    etp1 = [*TP2_SP, "--trainer.strategy.expert_tensor_parallel_size", "1"]
-    rows = _fit(tmp_path, tiny_corpus, config, "tp2_sp_etp1", *etp1, devices=2, batch=4)
+    rows = fit_runs.rows("qwen2_tp2_sp_etp1")
     _assert_same_losses(rows, reference, "tp2_sp_etp1", keys=(*LOGGED, "moe/expert_load_max_over_mean"))
     # Two stages, the MoE layer on the second only: every stage joins the metrics' pipeline reduction.
-    pp2 = ["--trainer.strategy", STRATEGY, "--trainer.strategy.pipeline_model_parallel_size", "2"]
-    rows = _fit(tmp_path, tiny_corpus, config, "pp2", *pp2, devices=2, batch=4)
+    rows = fit_runs.rows("qwen2_pp2")
     _assert_same_losses(rows, reference, "pp2", keys=(*LOGGED, "moe/expert_load_max_over_mean"))
 
 
-def test_strategy_fit_of_deepseek_v3_matches_one_process(tiny_corpus, tmp_path):
+def test_strategy_fit_of_deepseek_v3_matches_one_process(fit_runs):
     """``forge fit`` of the tiny DeepSeek-V3 (multi-latent attention, a dense layer, a layer of sigmoid group-limited
     experts with the selection bias and a shared expert, the router z-loss, aux-loss-free balancing: the bias moves
     after every step) with MegatronStrategy at EP = 2 (DP = 2, batch 2 each) and at TP = 2 with sequence
     parallelism (batch 4), and the default strategy on 2 processes (batch 2 each), reproduce the default strategy's
     losses on one process (batch 4) for 3 steps; the balancing changes those losses."""
-    config = moe_config("deepseek_v3")
-    config.vocab_size = 512  # the tiny corpus's tokenizer
-    fixed = _fit(tmp_path, tiny_corpus, config, "fixed_bias", devices=1, batch=4)
-    config.moe.bias_update_rate = 0.05
-    reference = _fit(tmp_path, tiny_corpus, config, "reference", devices=1, batch=4)
+    fixed = fit_runs.rows("deepseek_fixed_bias")  # moe.bias_update_rate 0
+    reference = fit_runs.rows("deepseek_reference")  # moe.bias_update_rate 0.05, as every run below
     moved, kept = _column(reference, "train/loss"), _column(fixed, "train/loss")
     assert moved[0] == kept[0] and abs(moved[2] - kept[2]) > 1e-4, (moved, kept)
-    for layout, args, batch in (("ep2", EP2, 2), ("tp2_sp", TP2_SP, 4)):
-        rows = _fit(tmp_path, tiny_corpus, config, layout, *args, devices=2, batch=batch)
+    for layout in ("ep2", "tp2_sp"):
+        rows = fit_runs.rows(f"deepseek_{layout}")
         _assert_same_losses(rows, reference, layout)
     # The native model on 2 processes too (the default strategy, DDP): its loads summed over the ranks. Its
     # router z-loss is logged from rank 0's micro-batch, so only the training loss compares.
-    rows = _fit(tmp_path, tiny_corpus, config, "native_dp2", devices=2, batch=2)
+    rows = fit_runs.rows("deepseek_native_dp2")
     _assert_same_losses(rows, reference, "native_dp2", keys=("train/loss",))
 
 
@@ -336,7 +371,7 @@ def test_grouped_experts_equal_megatrons_expert_loop(megatron_world, name):
     megatron's ``SequentialMLP`` loop's losses and gradients, every expert's own parameter included."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    from forge_lightning.strategies.megatron.layer_spec import GroupedSequentialMLP
+    from forge_lightning.modules.llm.megatron.layer_spec import GroupedSequentialMLP
 
     config = moe_config(name)
     model = native_model(config)
@@ -357,63 +392,15 @@ def test_grouped_experts_equal_megatrons_expert_loop(megatron_world, name):
         torch.testing.assert_close(runs[0]["grads"][key], grad, atol=1e-6 * grad.abs().max(), rtol=0, msg=key)
 
 
-def test_moe_checkpoint_resumes_at_another_expert_layout(tiny_corpus, tmp_path):
+def test_moe_checkpoint_resumes_at_another_expert_layout(fit_runs):
     """A Qwen2-MoE run at EP = 2 (DP = 2) checkpointed at step 2 resumes exactly at EP = 2, and at TP = 2 with
     sequence parallelism and whole experts split by EP = 2 over the TP ranks (ETP = 1) within fp32 tolerance (the
     dense weights and their optimizer state resharded, the experts stored by global index); a layout whose experts
     share the dense parameters' optimizer (EP = 1, ETP = TP) is refused with the reason."""
-    config = moe_config("qwen2_moe")
-    config.vocab_size = 512  # the tiny corpus's tokenizer
-    config.moe.aux_loss_coef = 0.0
-    full = _column(
-        _fit(tmp_path, tiny_corpus, config, "ep2", *EP2, devices=2, batch=2, steps=4, save_every=2),
-        "train/loss",
-    )
-    ckpt = str(tmp_path / "ckpt_ep2" / "epoch=0-step=2.ckpt")
-    same = _column(
-        _fit(
-            tmp_path,
-            tiny_corpus,
-            config,
-            "ep2_resume",
-            *EP2,
-            "--ckpt_path",
-            ckpt,
-            devices=2,
-            batch=2,
-            steps=4,
-        ),
-        "train/loss",
-    )
+    full = _column(fit_runs.rows("resume_ep2"), "train/loss")
+    same = _column(fit_runs.rows("resume_ep2_same"), "train/loss")
     assert sorted(same) == [2, 3] and all(same[s] == full[s] for s in (2, 3)), (same, full)
-    etp1 = [*TP2_SP, "--trainer.strategy.expert_tensor_parallel_size", "1"]
-    etp1 += ["--trainer.strategy.expert_model_parallel_size", "2"]
-    moved = _column(
-        _fit(
-            tmp_path,
-            tiny_corpus,
-            config,
-            "etp1_resume",
-            *etp1,
-            "--ckpt_path",
-            ckpt,
-            devices=2,
-            batch=4,
-            steps=4,
-        ),
-        "train/loss",
-    )
+    moved = _column(fit_runs.rows("resume_etp1"), "train/loss")
     assert sorted(moved) == [2, 3] and max(abs(moved[s] - full[s]) for s in (2, 3)) <= 1e-5, (moved, full)
-    _fit(
-        tmp_path,
-        tiny_corpus,
-        config,
-        "tp2_refused",
-        *TP2_SP,
-        "--ckpt_path",
-        ckpt,
-        devices=2,
-        batch=4,
-        steps=4,
-        expect_error="does not resume across that change",
-    )
+    error = fit_runs.error("resume_tp2_refused")
+    assert "does not resume across that change" in error, error

@@ -11,26 +11,20 @@ from safetensors.torch import load_file, save_file
 
 import forge_lightning.modules.llm.hf as hf_io
 import forge_lightning.modules.llm.module as llm_module
+from forge_lightning.contracts import MegatronBuild, MegatronDims, deferred_pretrained
 from forge_lightning.modules.llm.hf import fuse_experts
-from forge_lightning.modules.llm.module import CausalLM, deferred_pretrained
-from forge_lightning.strategies.megatron import bridge
-from forge_lightning.strategies.megatron.model import build_chunks
+from forge_lightning.modules.llm.megatron import bridge
+from forge_lightning.modules.llm.module import CausalLM
 
 HERE = Path(__file__).resolve().parent
-DEGREES = dict(
-    tensor_model_parallel_size=1,
-    pipeline_model_parallel_size=1,
-    virtual_pipeline_model_parallel_size=None,
-    expert_model_parallel_size=1,
-    context_parallel_size=1,
-    sequence_parallel=False,
-)
 
 
 def _chunk_params(module):
-    (chunk,) = build_chunks(
-        module, DEGREES, device=torch.device("cpu"), bf16=False, use_transformer_engine=False
+    """The parameters of the twin ``MegatronStrategy`` would train (one process: TP = PP = 1)."""
+    build = MegatronBuild(
+        dims=MegatronDims(), device=torch.device("cpu"), bf16=False, use_transformer_engine=False
     )
+    (chunk,) = module.megatron_model(build).build_chunks()
     return dict(chunk.named_parameters())
 
 
@@ -157,10 +151,16 @@ def test_two_processes_tp_pp_ep_read_only_their_shards(hf_models, tmp_path):
 def test_cli_defers_pretrained_for_megatron_only():
     from jsonargparse import Namespace
 
-    from forge_lightning.cli import _reads_pretrained_shards
+    from forge_lightning.cli import strategy_traits
 
     megatron = Namespace(
         class_path="forge_lightning.strategies.megatron.MegatronStrategy", init_args=Namespace()
     )
-    assert _reads_pretrained_shards("megatron") and _reads_pretrained_shards(megatron)
-    assert not _reads_pretrained_shards("fsdp2") and not _reads_pretrained_shards(None)
+    assert (
+        strategy_traits("megatron").reads_pretrained_shards
+        and strategy_traits(megatron).reads_pretrained_shards
+    )
+    assert (
+        not strategy_traits("fsdp2").reads_pretrained_shards
+        and not strategy_traits(None).reads_pretrained_shards
+    )

@@ -6,8 +6,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 import forge_lightning.strategies as strategies
-from forge_lightning.modules.plan import Component, ParallelPlan
-from forge_lightning.strategies.fsdp2 import validate_degrees
+from forge_lightning.contracts import Component, ParallelPlan, StrategyTraits, traits_of
+from forge_lightning.strategies.fsdp2 import FSDPDims
 from forge_lightning.strategies.parallelize import check_unsharded
 
 
@@ -19,6 +19,7 @@ from forge_lightning.strategies.parallelize import check_unsharded
         ("zero1", strategies.ZeRO1Strategy, {}),
         ("ddp_bf16", strategies.DDPStrategy, {"comm_hook": "bf16"}),
         ("ddp_fp8", strategies.DDPStrategy, {"comm_hook": "fp8"}),
+        ("megatron", strategies.MegatronStrategy, {}),
     ],
 )
 def test_registered_short_names(name, cls, init):
@@ -26,9 +27,34 @@ def test_registered_short_names(name, cls, init):
     assert entry["strategy"] is cls and entry["init_params"] == init
 
 
-def test_every_strategy_owns_or_accepts_checkpoint_io():
-    assert strategies.FSDP2Strategy.owns_checkpoint_io
-    assert not getattr(strategies.ZeRO1Strategy, "owns_checkpoint_io", False)
+@pytest.mark.parametrize(
+    ("strategy", "traits"),
+    [
+        ("fsdp2", StrategyTraits(owns_checkpoint_io=True, applies_performance=True, shards_model=True)),
+        (
+            "megatron",
+            StrategyTraits(
+                owns_checkpoint_io=True,
+                reads_pretrained_shards=True,
+                applies_performance=True,
+                shards_model=True,
+            ),
+        ),
+        ("zero1", StrategyTraits()),
+        ("ddp_fp8", StrategyTraits()),
+        ("ddp", StrategyTraits()),  # Lightning's own: all traits off
+        ("auto", StrategyTraits()),
+    ],
+)
+def test_every_strategy_declares_its_traits(strategy, traits):
+    """The CLI reads the traits of a strategy given by name or class before building it (checkpoint I/O, deferred
+    pretrained weights)."""
+    from forge_lightning.cli import strategy_traits
+
+    assert strategy_traits(strategy) == traits
+    cls = StrategyRegistry[strategy]["strategy"] if strategy in StrategyRegistry else None
+    if cls is not None:
+        assert traits_of(cls) == traits
 
 
 @pytest.mark.parametrize(
@@ -37,6 +63,11 @@ def test_every_strategy_owns_or_accepts_checkpoint_io():
 )
 def test_degrees_resolve(world, dp, replicate, tp, resolved):
     assert validate_degrees(world, dp, replicate, tp) == resolved
+
+
+def validate_degrees(world: int, dp: int | str, replicate: int, tp: int) -> int:
+    dims = FSDPDims(data_parallel_size=dp, data_parallel_replicate_size=replicate, tensor_parallel_size=tp)
+    return dims.validate(world)
 
 
 @pytest.mark.parametrize(

@@ -24,13 +24,13 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from forge_lightning.contracts import Component, ParallelPlan
 from forge_lightning.datamodules.lerobot.stats import Normalizer, aggregate_stats, to_jsonable
 from forge_lightning.modules.embodied.checkpoint import load_lerobot_checkpoint
 from forge_lightning.modules.embodied.config import Pi05Config
 from forge_lightning.modules.embodied.model import Pi05, Pi05Inputs
 from forge_lightning.modules.embodied.prompt import PromptTokenizer, build_prompts
 from forge_lightning.modules.embodied.siglip import preprocess_images
-from forge_lightning.modules.plan import Component, ParallelPlan
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_scheduler, param_groups
 from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.performance import PerformanceConfig, configure_performance, resolve
@@ -72,6 +72,9 @@ class Pi05Policy(UnscaledGradientClipping, pl.LightningModule):
         performance: activation checkpointing, compile, FP8, kernels and the optimizer implementation, applied
             to the plan's blocks (the CLI fills it from the top-level ``performance`` section).
     """
+
+    # The performance switch the module applies itself (the strategy applies the others).
+    performance_switches = frozenset({"optimizer"})
 
     def __init__(
         self,

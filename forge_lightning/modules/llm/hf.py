@@ -34,14 +34,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from forge_lightning.atomic_io import replace
 from forge_lightning.modules.llm.config import LLMConfig, field_value
 from forge_lightning.modules.llm.model import DecoderLM
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
-_TIED_HEAD = "lm_head.weight"
-_EMBEDDING = "model.embed_tokens.weight"
-_EXPERT_KEY = re.compile(
+TIED_HEAD_KEY = "lm_head.weight"
+EMBEDDING_KEY = "model.embed_tokens.weight"
+EXPERT_KEY = re.compile(
     r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
 )
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
@@ -191,14 +192,14 @@ def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM
         if not k.endswith("rotary_emb.inv_freq") and _layer_index(k) not in mtp_layers
     }
     state = fuse_experts(state)
-    if model.config.tie_word_embeddings and _TIED_HEAD in state:
-        head = state.pop(_TIED_HEAD)
-        if _EMBEDDING in state and not torch.equal(head, state[_EMBEDDING]):
-            raise ValueError(f"config ties the embeddings but {_TIED_HEAD} differs from {_EMBEDDING}")
+    if model.config.tie_word_embeddings and TIED_HEAD_KEY in state:
+        head = state.pop(TIED_HEAD_KEY)
+        if EMBEDDING_KEY in state and not torch.equal(head, state[EMBEDDING_KEY]):
+            raise ValueError(f"config ties the embeddings but {TIED_HEAD_KEY} differs from {EMBEDDING_KEY}")
     expected = {
         k: v
         for k, v in model.state_dict().items()
-        if not (model.config.tie_word_embeddings and k == _TIED_HEAD)
+        if not (model.config.tie_word_embeddings and k == TIED_HEAD_KEY)
     }
     problems = [f"missing: {k}" for k in expected if k not in state]
     problems += [f"unexpected: {k}" for k in state if k not in expected]
@@ -210,7 +211,7 @@ def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM
     if problems:
         raise ValueError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
     if model.config.tie_word_embeddings:
-        state[_TIED_HEAD] = state[_EMBEDDING]
+        state[TIED_HEAD_KEY] = state[EMBEDDING_KEY]
     model.load_state_dict(state, strict=True)
     return model
 
@@ -261,7 +262,7 @@ def save_pretrained(
         if generation:
             _write_json(tmp / "generation_config.json", generation)
         _write_shards(tensors, tmp, _parse_size(max_shard_size))
-        _replace_dir(tmp, out_dir)
+        replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -273,7 +274,7 @@ def _export_tensors(
 ) -> dict[str, Tensor]:
     tensors = {}
     for name, tensor in split_experts(state_dict).items():
-        if config.tie_word_embeddings and name == _TIED_HEAD:
+        if config.tie_word_embeddings and name == TIED_HEAD_KEY:
             continue  # Hugging Face files store the tied matrix once, as the embedding
         tensor = tensor.detach()
         # The selection bias stays fp32, as transformers keeps it: in bf16 it would change which experts win.
@@ -300,7 +301,7 @@ def fuse_experts(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     fused: dict[str, Tensor] = {}
     experts: dict[str, dict[tuple[int, str], Tensor]] = {}
     for name, tensor in state.items():
-        match = _EXPERT_KEY.fullmatch(name)
+        match = EXPERT_KEY.fullmatch(name)
         if match is None:
             fused[name] = tensor
         else:
@@ -355,17 +356,6 @@ def _write_shards(tensors: dict[str, Tensor], out: Path, max_bytes: int) -> None
         weight_map.update(dict.fromkeys(shard, file))
     total = sum(t.numel() * t.element_size() for t in tensors.values())
     _write_json(out / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
-
-
-def _replace_dir(src: Path, dst: Path) -> None:
-    """Move ``src`` to ``dst``; an existing ``dst`` is only removed once ``src`` is in place."""
-    if not dst.exists():
-        src.rename(dst)
-        return
-    old = Path(tempfile.mkdtemp(prefix=f".{dst.name}.", suffix=".old", dir=dst.parent))
-    dst.rename(old)  # onto the fresh empty directory: POSIX rename replaces it
-    src.rename(dst)
-    shutil.rmtree(old)
 
 
 def _write_json(file: Path, data: dict) -> None:

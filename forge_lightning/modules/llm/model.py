@@ -41,9 +41,15 @@ from forge_lightning.modules.layers import (
 from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS, document_positions
 from forge_lightning.modules.llm.config import LLMConfig, MoEConfig
 
-# Tensor-parallel styles (names relative to one decoder layer) of the parts every layer kind shares. MoE blocks
-# and MLA declare their own (`tp_plan()`): routed experts, routers and MLA stay replicated; expert parallelism is
-# the Megatron strategy's job.
+# The decoder LM's tensor-parallel plan, here alone (DecoderLM.tp_plan): styles of the parts every layer kind shares
+# (names relative to one decoder layer), of the modules around the layers (`<root>.` names), and each MoE block's
+# and MLA layer's own (`tp_plan()`): routed experts, routers and MLA stay replicated; expert parallelism is the
+# Megatron strategy's job.
+_ROOT_TP_PLAN = {
+    "<root>.model.embed_tokens": "rowwise_embedding",
+    "<root>.model.norm": "sequence",
+    "<root>.lm_head": "colwise_output",
+}
 _NORMS_TP_PLAN = {"input_layernorm": "sequence", "post_attention_layernorm": "sequence"}
 _GQA_TP_PLAN = {
     "self_attn.q_proj": "colwise",
@@ -252,6 +258,26 @@ class DecoderLM(nn.Module):
         self.model = DecoderModel(config, attention_backend=attention_backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.init_weights()
+
+    def tp_plan(self) -> dict[str, str]:
+        """Tensor-parallel styles: the entries every decoder layer shares (:func:`block_tp_plan`) and the
+        ``<root>.`` entries of the embedding, final norm and output head."""
+        return {**block_tp_plan(list(self.model.layers)), **_ROOT_TP_PLAN}
+
+    def tp_dims(self) -> dict[str, int]:
+        """The sizes a tensor-parallel degree must divide: the vocabulary (embedding and head are split by rows),
+        the query and key/value heads of grouped-query attention, the MLP widths of dense layers and shared
+        experts (routed experts and multi-latent attention stay whole natively; MegatronStrategy checks its own
+        expert and MLA layout)."""
+        c = self.config
+        dims = {"vocab_size": c.vocab_size, "num_heads": c.num_heads}
+        if c.mla is None:
+            dims["num_kv_heads"] = c.num_kv_heads
+        if any(not c.is_moe_layer(i) for i in range(c.num_layers)):
+            dims["intermediate_size"] = c.intermediate_size
+        if c.moe is not None and c.moe.shared_intermediate_size:
+            dims["moe.shared_intermediate_size"] = c.moe.shared_intermediate_size
+        return dims
 
     def tie_weights(self) -> None:
         """Make ``lm_head.weight`` the embedding matrix when the config ties them (no-op otherwise)."""

@@ -3,44 +3,35 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
 from typing_extensions import override
 
-from forge_lightning.kernels import fused_linear_cross_entropy
+from forge_lightning.contracts import (
+    Component,
+    ParallelPlan,
+    TextData,
+    full_state_dict,
+    pretrained_deferred,
+)
 from forge_lightning.modules.layers.attention import document_lengths
 from forge_lightning.modules.llm.config import LLMConfig, attention_flops_per_token, llm_flops_per_token
 from forge_lightning.modules.llm.generation import generate
 from forge_lightning.modules.llm.hf import load_pretrained, save_pretrained
-from forge_lightning.modules.llm.model import DecoderLM, block_tp_plan
+from forge_lightning.modules.llm.loss import LMLoss
+from forge_lightning.modules.llm.model import DecoderLM
 from forge_lightning.modules.lora import LoRAConfig, apply_lora, save_adapter
-from forge_lightning.modules.plan import Component, ParallelPlan
+from forge_lightning.modules.objective import GlobalBatchLoss
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
 from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.performance import PerformanceConfig, ResolvedPerformance, configure_performance, resolve
 
-# Tensor-parallel styles of one decoder layer (relative names) and of the modules around the layers.
-LLM_TP_PLAN = {
-    "self_attn.q_proj": "colwise",
-    "self_attn.k_proj": "colwise",
-    "self_attn.v_proj": "colwise",
-    "self_attn.o_proj": "rowwise",
-    "mlp.gate_proj": "colwise",
-    "mlp.up_proj": "colwise",
-    "mlp.down_proj": "rowwise",
-    "input_layernorm": "sequence",
-    "post_attention_layernorm": "sequence",
-    "<root>.model.embed_tokens": "rowwise_embedding",
-    "<root>.model.norm": "sequence",
-    "<root>.lm_head": "colwise_output",
-}
+if TYPE_CHECKING:
+    from forge_lightning.contracts import MegatronBuild
+    from forge_lightning.modules.llm.megatron import DecoderTwin
 
 
 @dataclasses.dataclass(kw_only=True)
@@ -64,34 +55,21 @@ def _as(cls: type, value: Any) -> Any:
     return cls(**value) if isinstance(value, dict) else value
 
 
-_DEFER_PRETRAINED: ContextVar[bool] = ContextVar("defer_pretrained", default=False)
-
-
-@contextmanager
-def deferred_pretrained() -> Iterator[None]:
-    """Within it, ``CausalLM(pretrained=...)`` leaves its weights in the files: the native model is built on the
-    meta device, and a strategy that builds its own model from the directory (``MegatronStrategy``, whose
-    ``reads_pretrained_shards`` the CLI checks) reads on each rank only that rank's shards. Without LoRA only.
-    """
-    token = _DEFER_PRETRAINED.set(True)
-    try:
-        yield
-    finally:
-        _DEFER_PRETRAINED.reset(token)
-
-
 class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     """Decoder-only language model (Llama / Qwen2 / Qwen3 / Mistral style) built from a Hugging Face config.
 
-    The loss is the mean cross-entropy over all trainable tokens (labels != ``ignore_index``) of the global batch,
-    across gradient accumulation and data-parallel ranks, computed from the final hidden states with a fused
-    linear + cross-entropy that never materialises the full fp32 logits.
+    The loss (:class:`~forge_lightning.modules.llm.loss.LMLoss`) is the mean cross-entropy over all trainable tokens
+    (labels != ``ignore_index``) of the global batch, across gradient accumulation and data-parallel ranks
+    (:class:`~forge_lightning.modules.objective.GlobalBatchLoss`), computed from the final hidden states with a
+    fused linear + cross-entropy that never materialises the full fp32 logits. Under ``MegatronStrategy`` the same
+    loss runs on the module's megatron-core twin (:meth:`megatron_model`).
 
     Args:
         config: HF config: a model directory, a ``config.json`` path, a dict, or a preset name (see
             ``forge_lightning.modules.llm.config.PRESETS``).
         pretrained: HF model directory to load weights from (``None``: random initialisation). Under
-            :func:`deferred_pretrained` the weights stay in the files and the native model on the meta device.
+            :func:`~forge_lightning.contracts.deferred_pretrained` the weights stay in the files and the native
+            model on the meta device (without LoRA).
         optimizer: optimizer settings (the CLI fills it from the top-level ``optimizer`` section).
         scheduler: learning-rate schedule (the CLI fills it from the top-level ``scheduler`` section).
         generation: decoding settings for ``predict`` and samples.
@@ -103,6 +81,13 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
         lora: LoRA adapters (see :class:`~forge_lightning.modules.lora.LoRAConfig`); only they (and
             ``modules_to_save``) train, and :meth:`save_pretrained` writes a PEFT adapter.
     """
+
+    # The performance switches the module applies itself (the strategy applies the others; see
+    # forge_lightning.performance.switches): the loss kernel and its FP8 head, the packed-attention kernel, the
+    # optimizer implementation.
+    performance_switches = frozenset(
+        {"kernels.cross_entropy", "attention.packed", "optimizer", "fp8.lm_head", "fp8.fast_accum"}
+    )
 
     def __init__(
         self,
@@ -140,7 +125,7 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
             }
         )
         self.pretrained = None if pretrained is None else str(pretrained)
-        if pretrained is not None and _DEFER_PRETRAINED.get() and self.lora_config is None:
+        if pretrained is not None and pretrained_deferred() and self.lora_config is None:
             # A strategy reads its own shards of the files (see deferred_pretrained): no full copy on this rank.
             with torch.device("meta"):
                 self.model = DecoderLM(self.config, attention_backend=self.performance.attention.packed)
@@ -154,11 +139,8 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
             self.__dict__["_peft_model"] = apply_lora(
                 self.model, self.lora_config, base_model_name_or_path=pretrained
             )
-        self._loss_norm: tuple[int, torch.Tensor] | None = None
-        self._step_loss_sum: torch.Tensor | None = None
+        self.objective = GlobalBatchLoss()
         self._step_expert_load: torch.Tensor | None = None  # [MoE layers, experts] over the optimizer step
-        self._eval_sums: torch.Tensor | None = None
-        self._warned_no_step_tokens = False
 
     # ----- construction and interchange -----------------------------------------------------------------------
     @classmethod
@@ -184,9 +166,8 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
             if self._trainer is None or self.trainer.is_global_zero:
                 save_adapter(self._peft_model, path)
         else:
-            # A strategy that shards parameters gathers them (collectively) to host memory on rank 0.
-            gather = getattr(self.trainer.strategy, "full_model_state_dict", None) if self._trainer else None
-            state = gather(self.model) if callable(gather) else None
+            # A strategy that shards parameters (or trains another copy) gathers them collectively to rank 0.
+            state = full_state_dict(self.trainer.strategy, self.model) if self._trainer is not None else None
             if self._trainer is None or self.trainer.is_global_zero:
                 save_pretrained(
                     self.model, self.config, path, dtype=dtype, overwrite=overwrite, state_dict=state
@@ -206,13 +187,47 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
         return cache[device.type]
 
     def parallel_plan(self) -> ParallelPlan:
-        """One component, ``llm``: its decoder layers are the repeated blocks."""
-        layers = list(self.model.model.layers)
-        # MoE and MLA layers shard other modules than LLM_TP_PLAN's dense ones: the model gives the block entries.
-        root = {k: v for k, v in LLM_TP_PLAN.items() if k.startswith("<root>.")}
-        tp_plan = {**block_tp_plan(layers), **root}
-        return ParallelPlan(
-            components=[Component(name="llm", module=self.model, blocks=layers, tp_plan=tp_plan)]
+        """One component, ``llm``: its decoder layers are the repeated blocks; the model gives its TP plan and the
+        sizes a TP degree must divide."""
+        component = Component(
+            name="llm",
+            module=self.model,
+            blocks=list(self.model.model.layers),
+            tp_plan=self.model.tp_plan(),
+            tp_dims=self.model.tp_dims(),
+        )
+        return ParallelPlan(components=[component])
+
+    def megatron_model(self, build: MegatronBuild) -> DecoderTwin:
+        """The megatron-core twin of the decoder for ``MegatronStrategy`` (the strategy's contract,
+        :class:`~forge_lightning.contracts.MegatronModule`): the same loss and bookkeeping as natively."""
+        from forge_lightning.modules.llm.megatron import DecoderTwin
+
+        if self.lora_config is not None:
+            raise NotImplementedError(
+                "LoRA is not yet supported by MegatronStrategy: train LoRA adapters with FSDP2Strategy or "
+                "DDPStrategy"
+            )
+        return DecoderTwin(
+            self.model,
+            build,
+            loss=LMLoss(ignore_index=self.ignore_index, z_loss=self.z_loss),
+            objective=self.objective,
+            log=self.log,
+            pretrained=self.pretrained,
+        )
+
+    def lm_loss(self, device: torch.device) -> LMLoss:
+        """The loss with the kernel settings resolved for ``device`` (``performance.kernels.cross_entropy``,
+        ``performance.fp8.lm_head`` / ``fast_accum``)."""
+        performance = self._resolved_performance(device)
+        fp8 = performance.fp8
+        return LMLoss(
+            ignore_index=self.ignore_index,
+            z_loss=self.z_loss,
+            backend=performance.kernels["cross_entropy"],
+            fp8=fp8 is not None and fp8.lm_head,
+            fast_accum=fp8 is not None and fp8.fast_accum,
         )
 
     # ----- forward and loss ----------------------------------------------------------------------------------
@@ -234,57 +249,17 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
         hidden_BSH = self.model.hidden_states(
             batch["input_ids"], position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids")
         )
-        labels_N = batch["labels"].reshape(-1)
-        performance = self._resolved_performance(hidden_BSH.device)
-        fp8 = performance.fp8
-        loss = fused_linear_cross_entropy(
+        loss = self.lm_loss(hidden_BSH.device)
+        return loss(
             hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
             self.model.lm_head.weight,
-            labels_N,
-            ignore_index=self.ignore_index,
-            reduction="sum",
-            z_loss=self.z_loss,
-            backend=performance.kernels["cross_entropy"],
-            fp8=fp8 is not None and fp8.lm_head,
-            fast_accum=fp8 is not None and fp8.fast_accum,
+            batch["labels"].reshape(-1),
         )
-        return loss, (labels_N != self.ignore_index).sum()
-
-    def _data_parallel_size(self) -> int:
-        strategy = self.trainer.strategy
-        return getattr(strategy, "data_parallel_size", None) or self.trainer.world_size
-
-    def _global_step_tokens(self, batch: dict[str, torch.Tensor], local_tokens: torch.Tensor) -> torch.Tensor:
-        """Trainable tokens in this optimizer step over all micro-batches and data-parallel ranks."""
-        step = self.trainer.global_step
-        if self._loss_norm is not None and self._loss_norm[0] == step:
-            return self._loss_norm[1]
-        step_tokens = batch.get("step_tokens")
-        if step_tokens is None:
-            if not self._warned_no_step_tokens:
-                rank_zero_warn(
-                    "batches carry no `step_tokens`: the loss is normalised per micro-batch, so gradient "
-                    "accumulation weights micro-batches equally. Use a forge-lightning datamodule for exact "
-                    "global-batch normalisation."
-                )
-                self._warned_no_step_tokens = True
-            step_tokens = local_tokens * self.trainer.accumulate_grad_batches
-        total = self.trainer.strategy.reduce(
-            step_tokens.to(self.device, torch.float64).clone(), reduce_op="sum"
-        )
-        self._loss_norm = (step, total.clamp_min(1))
-        return self._loss_norm[1]
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss_sum, local_tokens = self.loss_sum(batch)
-        total = self._global_step_tokens(batch, local_tokens)
-        detached = loss_sum.detach().to(torch.float64)
-        self._step_loss_sum = detached if self._step_loss_sum is None else self._step_loss_sum + detached
-        # Lightning divides by accumulate_grad_batches and data parallelism averages over ranks: undo both so
-        # the gradient is that of (sum of token losses of the global batch) / (its trainable tokens).
-        scale = self.trainer.accumulate_grad_batches * self._data_parallel_size()
-        loss = loss_sum * (scale / total).to(loss_sum.dtype)
+        loss_sum, tokens = self.loss_sum(batch)
+        loss = self.objective.training_loss(self, batch, loss_sum, tokens)
         router_loss = self._moe_aux_losses()
         return loss if router_loss is None else loss + router_loss.to(loss.dtype)
 
@@ -312,11 +287,7 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._update_expert_bias()
-        if self._step_loss_sum is None or self._loss_norm is None:
-            return
-        total_loss = self.trainer.strategy.reduce(self._step_loss_sum, reduce_op="sum")
-        self.log("train/loss", (total_loss / self._loss_norm[1]).float(), prog_bar=True, rank_zero_only=True)
-        self._step_loss_sum = None
+        self.objective.log_train(self)
 
     @torch.no_grad()
     def _update_expert_bias(self) -> None:
@@ -334,16 +305,11 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     # ----- evaluation ----------------------------------------------------------------------------------------
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
         loss_sum, tokens = self.loss_sum(batch)
-        sums = torch.stack([loss_sum.detach().double(), tokens.double()])
-        self._eval_sums = sums if self._eval_sums is None else self._eval_sums + sums
+        self.objective.record_eval(torch.stack([loss_sum.detach().double(), tokens.double()]))
 
     def _eval_log(self, prefix: str) -> None:
-        sums = self._eval_sums if self._eval_sums is not None else torch.zeros(2, dtype=torch.float64)
-        sums = self.trainer.strategy.reduce(sums.to(self.device), reduce_op="sum")
-        self._eval_sums = None
-        if sums[1] > 0:
-            loss = (sums[0] / sums[1]).float()
-            self.log(f"{prefix}/loss", loss, prog_bar=True, rank_zero_only=True)
+        loss = self.objective.log_eval(self, prefix)
+        if loss is not None:
             self.log(f"{prefix}/ppl", loss.exp(), rank_zero_only=True)
 
     @override
@@ -405,14 +371,16 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     @override
     def setup(self, stage: str) -> None:
         datamodule = self.trainer.datamodule if self._trainer is not None else None
-        seq_length = getattr(datamodule, "seq_length", None)
+        if not isinstance(datamodule, TextData):
+            return
+        seq_length = datamodule.seq_length
         if seq_length is not None and seq_length > self.config.max_position_embeddings:
             raise ValueError(
                 f"data.seq_length ({seq_length}) is longer than the model's max_position_embeddings "
                 f"({self.config.max_position_embeddings}): shorten the sequences or use a model with longer context"
             )
-        vocab = getattr(datamodule, "vocab_size", None)
-        if vocab is not None and vocab > self.config.vocab_size:
+        vocab = datamodule.vocab_size
+        if vocab > self.config.vocab_size:
             raise ValueError(
                 f"the tokenizer has {vocab} tokens but the model's vocab_size is {self.config.vocab_size}: "
                 "use the model's own tokenizer or set vocab_size in the model config to at least the tokenizer's"

@@ -23,6 +23,16 @@ A composed model's encoder side (plain modules at TP = 1, replicated over the TP
 is stored under ``components.<name>.<parameter>`` as unsharded tensors whose replica id names TP rank 0 of DP rank
 0 as the writer; its Adam moments are matched to those tensors like the twin's, so they load at any decoder layout.
 
+Callbacks' per-parameter state (the EMA callback's average: a mapping from the strategy's trained-parameter names to
+tensors shaped like them, see :class:`~forge_lightning.contracts.TrainedParameters`) is saved like the parameters,
+each rank its shards, under ``callbacks.<callback state key>.<path in its state>.<the parameter's key>`` with the
+parameter's global shape and this rank's slice of it; ``meta.pt`` keeps a stand-in in its place. On load the live
+callback's state gives the template (this run's names and shards), so it resumes at another layout too::
+
+    checkpoint["callbacks"]["EMA"]["average"] = {"model0.decoder.layers.0.self_attention.linear_qkv.weight": ...}
+      -> dist-checkpoint "callbacks.EMA.average.decoder.layers.self_attention.linear_qkv.weight" (layers stacked)
+      meta.pt: "megatron-sharded:callbacks.EMA.average"
+
 Atomic: every rank writes into ``.<name>.tmp`` beside the target; once all have finished, global rank 0 renames
 it into place. A crash mid-save leaves the previous checkpoints untouched (and a stale ``.tmp`` that the next save
 replaces).
@@ -43,7 +53,8 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from torch import nn
 from typing_extensions import override
 
-from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.atomic_io import old_sibling, replace
+from forge_lightning.contracts import MegatronTwin, experts_apart
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
 
 FORMAT = "forge-megatron-dist-checkpoint"
@@ -54,6 +65,7 @@ MEGATRON_METADATA_FILE = "metadata.json"  # written last by megatron-core's dist
 # Keys of the checkpoint dict handed to MegatronCheckpointIO.save_checkpoint that are not Lightning's own.
 SHARDED_KEY = "state_dict"  # the sharded state dict (model chunks + optimizer)
 COMPONENTS_KEY = "components"  # a composed model's encoder side (sharded state dict entry, tensor key prefix)
+CALLBACKS_KEY = "callbacks"  # callbacks' per-parameter state (sharded state dict entry, tensor key prefix)
 HF_CONFIG_KEY = "hf_config"  # written as config.json
 INFO_KEY = "megatron"  # format, layout and optimizer kind, kept in meta.pt
 # The DistributedOptimizer's reshardable form: each parameter's state saved like the parameter itself.
@@ -63,7 +75,7 @@ _OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 # ----------------------------------------------------------------------------------------------- state dicts
 
 
-def _inner(chunk: nn.Module) -> nn.Module:
+def inner_chunk(chunk: nn.Module) -> nn.Module:
     """The chunk inside megatron's ``DistributedDataParallel`` (``Float16Module`` or ``GPTModel``)."""
     from megatron.core.distributed import DistributedDataParallel
 
@@ -92,17 +104,61 @@ def sharded_state_dict(
         parts: every tensor carries its own global key, so a checkpoint written with N chunks loads into M.
     """
     state: dict[str, Any] = {
-        f"model{i}": _inner(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)
+        f"model{i}": inner_chunk(chunk).sharded_state_dict() for i, chunk in enumerate(chunks)
     }
+    for i, chunk in enumerate(chunks):
+        check_tensor_parallel_shards(chunk, state[f"model{i}"])
     if components:
         state[COMPONENTS_KEY] = {name: _replicated(module, name) for name, module in components.items()}
     if optimizer is not None:
         if is_loading:
             _allocate_distributed_adam_state(optimizer)
+            _describe_sgd_state(optimizer)
         # Adam's moments (and fp32 main weights) are matched to the parameters of `state`, so the encoder side's
         # are saved and resharded like its parameters.
         state["optimizer"] = _optimizer_state(optimizer, state, is_loading)
     return state
+
+
+def check_tensor_parallel_shards(chunk: nn.Module, chunk_state: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` naming each tensor-parallel parameter (megatron's ``tensor_model_parallel`` tag) that the
+    chunk's sharded state dict would save whole: TP rank 0's shard would then stand for the full tensor, and the
+    checkpoint would load wrong weights at any layout (a submodule that megatron's ``sharded_state_dict`` does not
+    reach with its TP sharding, e.g. a plain ``nn.ModuleList`` of a twin's own layers). Routed experts (tagged
+    ``allreduce = False``) are split over the expert-TP group instead and are not checked here."""
+    from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.optimizer import get_param_id_to_sharded_param_map
+
+    if parallel_state.get_tensor_model_parallel_world_size() == 1:
+        return
+    named = [
+        (n, p)
+        for n, p in inner_chunk(chunk).named_parameters()
+        if getattr(p, "tensor_model_parallel", False) and getattr(p, "allreduce", True)
+    ]
+    if not named:
+        return
+    entries = get_param_id_to_sharded_param_map(chunk_state, [p for _, p in named])
+    whole = [
+        name
+        for i, (name, _) in enumerate(named)
+        if i not in entries or _saved_whole(entries[i], ShardedTensor)
+    ]
+    if whole:
+        raise ValueError(
+            f"the tensor-parallel parameters {whole[:4]} would be saved whole, not as TP shards: the chunk's "
+            "sharded_state_dict() must give them as split ShardedTensors (megatron's parallel layers and "
+            "MegatronModule.sharded_state_dict of their parents do; see MegatronTwin.build_chunks)"
+        )
+
+
+def _saved_whole(entry: Any, sharded_tensor: type) -> bool:
+    """Whether a sharded state dict entry stores its tensor unsplit (a factory splits it: not whole)."""
+    if not isinstance(entry, sharded_tensor):
+        return False
+    data_dims = tuple(entry.global_shape[entry.prepend_axis_num :])  # without the stacked layer / expert axes
+    return data_dims == tuple(entry.local_shape)[-len(data_dims) :]
 
 
 def _replicated(module: nn.Module, name: str) -> dict[str, Any]:
@@ -213,6 +269,25 @@ def _allocate_distributed_adam_state(optimizer: Any) -> None:
                     }
 
 
+def _describe_sgd_state(optimizer: Any) -> None:
+    """Give megatron's SGD optimizers the ``init_state_fn`` megatron-core 0.16 leaves unset, in place.
+
+    Its ``sharded_state_dict(is_loading=True)`` calls ``init_state_fn`` to create the state a fresh optimizer
+    lacks (``TypeError: 'NoneType' object is not callable`` for SGD): here it allocates the momentum buffers torch's
+    SGD creates at the first step (zeros, overwritten by the load; none without momentum).
+    """
+
+    def init_state(inner: torch.optim.Optimizer, config: Any = None) -> None:
+        for group in inner.param_groups:
+            if group["momentum"]:
+                for param in group["params"]:
+                    inner.state[param].setdefault("momentum_buffer", torch.zeros_like(param))
+
+    for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(member.optimizer, torch.optim.SGD) and getattr(member, "init_state_fn", None) is None:
+            member.init_state_fn = init_state
+
+
 def load_into(
     chunks: Sequence[nn.Module],
     optimizer: Any | None,
@@ -287,7 +362,7 @@ def _sharded_tensors(state: Any) -> list[Any]:
 
 
 def _stale_hint(path: Path) -> str:
-    old = path.with_name(f".{path.name}.old")
+    old = old_sibling(path)
     if old.is_dir():
         return (
             f" (a save interrupted while replacing it left the previous checkpoint at {old}: rename it back)"
@@ -365,12 +440,11 @@ def check_tensors(path: Path, template: Mapping[str, Any]) -> None:
         )
 
 
-def check_model_config(path: Path, config: LLMConfig) -> None:
-    """Raise ``ValueError`` naming every architecture field on which the checkpoint's model differs from ``config``."""
-    from forge_lightning.modules.llm.hf import check_compatible
-
+def check_model_config(path: Path, twin: MegatronTwin) -> None:
+    """Raise ``ValueError`` naming every architecture field on which the checkpoint's model differs from the twin's
+    (the twin's family compares the configs)."""
     try:
-        check_compatible(config, LLMConfig.load(read_hf_config(path)))
+        twin.check_checkpoint_config(read_hf_config(path))
     except ValueError as err:
         raise ValueError(
             f"{path} was written for another model: {err}\nResume with the model config the checkpoint was "
@@ -393,10 +467,8 @@ def check_optimizer_kind(path: Path, meta: Mapping[str, Any], kind: Mapping[str,
 def check_expert_layout(path: Path, meta: Mapping[str, Any], degrees: Mapping[str, Any]) -> None:
     """Raise ``ValueError`` when the optimizer state was written with the experts' optimizer kept apart and this run
     does not keep it apart, or the reverse: megatron-core gives the experts an optimizer of their own when their
-    gradients are reduced over another group (:func:`~.model.experts_apart`: EP > 1, or ETP ≠ TP), and the two
+    gradients are reduced over another group (:func:`~forge_lightning.contracts.experts_apart`: EP > 1, or ETP ≠ TP), and the two
     store the optimizer state under other names."""
-    from forge_lightning.strategies.megatron.model import experts_apart
-
     info = meta.get(INFO_KEY, {})
     layout = info.get("layout") or {}
     saved = {
@@ -480,23 +552,6 @@ def _fresh_directory(path: Path) -> None:
     path.mkdir(parents=True)
 
 
-def _move_into_place(tmp: Path, path: Path) -> None:
-    """Rename the finished ``tmp`` directory to ``path``, replacing an older checkpoint of that name."""
-    if path.exists():
-        old = path.with_name(f".{path.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, path)
-    dir_fd = os.open(path.parent, os.O_RDONLY)
-    try:
-        os.fsync(dir_fd)
-    finally:
-        os.close(dir_fd)
-
-
 class MegatronCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` writing megatron-core dist-checkpoints atomically (see the module docstring).
 
@@ -529,7 +584,7 @@ class MegatronCheckpointIO(CheckpointIO):
                 (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
         _on_rank_zero(write_meta, f"write {tmp / META_FILE}")
-        _on_rank_zero(lambda: _move_into_place(tmp, path), f"rename {tmp} to {path}")
+        _on_rank_zero(lambda: replace(tmp, path), f"rename {tmp} to {path}")
 
     @override
     def load_checkpoint(

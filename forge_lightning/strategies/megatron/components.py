@@ -1,17 +1,18 @@
 """Heterogeneous per-component parallelism under ``MegatronStrategy`` (the strategy's ``components`` option).
 
-A composed model (encoder -> projector -> decoder LM, declared by its plan's
-:class:`~forge_lightning.modules.plan.Composition`) trains with its decoder as the megatron-core twin at the
-strategy's TP size and every other component as it is (plain PyTorch, TP = 1), replicated on the T ranks of the
-decoder's TP group, each of which encodes a share of the micro-batch::
+A composed model (encoder -> projector -> decoder, declared by its plan's
+:class:`~forge_lightning.contracts.Composition`) trains with its decoder as the megatron-core model the module
+provides (its twin) at the strategy's TP size and every other component as it is (plain PyTorch, TP = 1),
+replicated on the T ranks of the decoder's TP group, each of which encodes a share of the micro-batch
+(:meth:`Components.encode`, which the twin's forward step calls)::
 
     one micro-batch of b samples (the same on the T ranks of a TP group)
       TP rank r: samples [r*c, (r+1)*c), c = ceil(b / T)   (short ranks pad with copies of the last sample)
         composition.encode (encoder, projector; TP = 1)        -> [c, N, H]
       all-gather over the TP group (GatherSamples)              -> [T*c, N, H] -> first b rows
                                                                    backward: each rank keeps its own rows' gradient
-      composition.merge(twin's token embeddings, encoded)      -> decoder input [T', b, H] (sequence first)
-      GPTModel(decoder_input=...) at TP = T                     -> per-token loss [b, T']
+      composition.merge(twin's token embeddings, encoded)      -> decoder input (the twin's forward step)
+      the twin at TP = T                                        -> per-token loss
 
 Why each rank keeps only its own rows' gradient: the decoder's input is replicated over the TP group and its
 column-parallel linears all-reduce their input gradient over it, so every TP rank holds the *whole* gradient of the
@@ -30,14 +31,15 @@ parameter once (on TP rank 0), as megatron does for the twin's replicated norms.
 Checkpoints. The encoder side's parameters (frozen ones too) are saved in the same megatron dist-checkpoint as the
 twin, under ``components.<name>.<parameter>`` as tensors replicated over the TP x DP group (only TP rank 0 of DP
 rank 0 writes them), and their optimizer state beside them (see checkpoint.py); they load at any decoder layout.
-``full_model_state_dict`` gives the LightningModule's own state-dict names (:meth:`Components.full_state_dict`).
+``full_model_state_dict`` gives the LightningModule's own state-dict names (:meth:`Components.full_state_dict`),
+the twin's part from its ``state_dict`` (under the decoder component's names).
 
 Options (``components: {NAME: {...}}``, NAME a component of the module's plan):
 
 * ``tensor_model_parallel_size``: the decoder runs at the strategy's TP size; the others at 1 (larger sizes, which
   need a tensor-parallel twin of the component, are not supported yet). Must divide the strategy's.
-* ``recompute``: ``none`` or ``full``: the decoder with megatron's full recompute (every layer), another component
-  with activation checkpointing of each of its plan's blocks.
+* ``recompute``: ``none`` or ``full``: the decoder with the twin's full recompute (megatron's, every layer), another
+  component with activation checkpointing of each of its plan's blocks.
 * ``freeze``: ``true`` / ``false`` (default: as the module's plan declares): ``requires_grad`` off, so no gradient,
   no gradient reduce and no optimizer state.
 """
@@ -46,22 +48,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from forge_lightning.modules.plan import Component, Composition, ParallelPlan
+from forge_lightning.contracts import Component, Composition, MegatronDims, ParallelPlan, PlannedModule
+from forge_lightning.contracts.megatron import RECOMPUTE
 from forge_lightning.performance.transforms import apply_activation_checkpointing
+from forge_lightning.strategies.megatron.wrapping import chunk_config
 
 OPTIONS = ("tensor_model_parallel_size", "recompute", "freeze")
-RECOMPUTE = ("none", "full")
-# megatron's full recompute of the twin: every layer's forward is recomputed in backward.
-_FULL_RECOMPUTE = {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}
 # Marks a block already wrapped for recompute (the strategy's setup runs once per fit / validate call).
 _RECOMPUTED = "_forge_megatron_recompute"
 
@@ -147,7 +147,7 @@ class ResolvedComponent:
 
 
 def resolve_components(
-    plan: ParallelPlan, options: Mapping[str, ComponentOptions], degrees: Mapping[str, Any]
+    plan: ParallelPlan, options: Mapping[str, ComponentOptions], dims: MegatronDims
 ) -> list[ResolvedComponent]:
     """Every component of ``plan`` with its settings: its ``options`` entry over the plan's defaults.
 
@@ -155,7 +155,7 @@ def resolve_components(
         plan: the module's parallel plan (its composition names the decoder; a plan of one component is the
             decoder).
         options: the parsed ``components`` option.
-        degrees: the strategy's options (``tensor_model_parallel_size``, ...).
+        dims: the strategy's layout.
 
     Raises:
         ValueError: an unknown component name, a decoder TP other than the strategy's, recompute of a frozen or
@@ -169,17 +169,17 @@ def resolve_components(
         raise ValueError(f"components names {unknown}, but the module's plan has the components {names}")
     if plan.composition is not None:
         decoder = plan.composition.decoder
-        _check_composed_layout(degrees)
+        _check_composed_layout(dims)
     elif len(names) == 1:
         decoder = names[0]
     else:
         raise ValueError(
             f"the module's plan has the components {names} but no composition: MegatronStrategy needs to know which "
-            "one is the decoder LM and how the others feed it (ParallelPlan.composition)"
+            "one its megatron-core model stands for and how the others feed it (ParallelPlan.composition)"
         )
-    tp = degrees["tensor_model_parallel_size"]
     resolved = [
-        _resolve(comp, options.get(comp.name, ComponentOptions()), comp.name == decoder, tp) for comp in plan
+        _resolve(comp, options.get(comp.name, ComponentOptions()), comp.name == decoder, dims.tp)
+        for comp in plan
     ]
     if all(r.frozen for r in resolved):
         raise ValueError(f"every component is frozen ({names}): nothing to train")
@@ -221,18 +221,15 @@ def _resolve(comp: Component, opts: ComponentOptions, is_decoder: bool, tp: int)
     )
 
 
-def _check_composed_layout(degrees: Mapping[str, Any]) -> None:
+def _check_composed_layout(dims: MegatronDims) -> None:
     """Refuse the layouts a composed model cannot run at yet, naming the option."""
-    refused = {
-        "pipeline_model_parallel_size": degrees["pipeline_model_parallel_size"] > 1,
-        "context_parallel_size": degrees["context_parallel_size"] > 1,
-    }
-    for option, on in refused.items():
-        if on:
+    refused = {"pipeline_model_parallel_size": dims.pp, "context_parallel_size": dims.cp}
+    for option, size in refused.items():
+        if size > 1:
             raise NotImplementedError(
-                f"{option}={degrees[option]} is not yet supported with a composed model (components feeding a "
-                "decoder LM) under MegatronStrategy: the encoder side runs outside megatron's pipeline and context-"
-                "parallel split; use tensor / data (and expert) parallelism and the distributed optimizer"
+                f"{option}={size} is not yet supported with a composed model (components feeding a decoder) under "
+                "MegatronStrategy: the encoder side runs outside megatron's pipeline and context-parallel split; use "
+                "tensor / data (and expert) parallelism and the distributed optimizer"
             )
 
 
@@ -294,87 +291,66 @@ def encode_over_group(
 
 
 class Components:
-    """The module's components under the strategy: the decoder's build settings and, for a composed model, the
-    encoder side (its DDP, the hand-over and the schedule's forward step). See the module docstring.
+    """The module's components under the strategy: which one the twin stands for (the decoder), its options, and
+    for a composed model the encoder side (its DDP, its share of each micro-batch, its gradients). See the module
+    docstring.
 
-    For a module without composition (``CausalLM``) only the decoder's options apply and every hook is a no-op.
+    For a module of one component only the decoder's options apply and every encoder-side hook is a no-op.
 
     Args:
-        module: the LightningModule.
+        module: the LightningModule (a :class:`~forge_lightning.contracts.PlannedModule`).
         options: the parsed ``components`` option.
-        degrees: the strategy's options.
+        dims: the strategy's layout.
+        bf16: the run trains in bf16 (the encoder side then computes under autocast).
+
+    Raises:
+        TypeError: the module declares no parallel plan.
     """
 
     def __init__(
-        self, module: nn.Module, options: Mapping[str, ComponentOptions], degrees: Mapping[str, Any]
-    ):
-        plan_fn = getattr(module, "parallel_plan", None)
-        plan = plan_fn() if callable(plan_fn) else None
-        if plan is None and options:
-            raise ValueError(
-                f"components names {sorted(options)}, but {type(module).__name__} has no parallel_plan() to name "
-                "its components"
+        self, module: nn.Module, options: Mapping[str, ComponentOptions], dims: MegatronDims, *, bf16: bool
+    ) -> None:
+        if not isinstance(module, PlannedModule):
+            raise TypeError(
+                f"MegatronStrategy trains modules that declare their components ({type(module).__name__} has no "
+                "parallel_plan(); see forge_lightning.contracts.PlannedModule)"
             )
+        plan = module.parallel_plan()
         self.module = module
-        # A plan of several components without composition and options is not one of ours: build_chunks says what
-        # the strategy trains.
-        ours = plan is not None and (options or plan.composition is not None or len(plan.components) == 1)
-        self.resolved = resolve_components(plan, options, degrees) if ours else []
-        self.composition: Composition | None = plan.composition if plan is not None else None
+        self.resolved = resolve_components(plan, options, dims)
+        self.composition: Composition | None = plan.composition
         # The encoder side's megatron DDP (none when all of it is frozen).
         self.encoder_ddp: list[nn.Module] = []
-        self._bf16 = False
+        self._bf16 = bf16
 
     @property
     def composed(self) -> bool:
         return self.composition is not None
 
-    def _decoder(self) -> ResolvedComponent | None:
-        return next((r for r in self.resolved if r.decoder), None)
+    @property
+    def decoder(self) -> ResolvedComponent:
+        """The component the twin stands for."""
+        return next(r for r in self.resolved if r.decoder)
 
     def _encoder_side(self) -> list[ResolvedComponent]:
         return [r for r in self.resolved if not r.decoder]
 
     # ----- building ---------------------------------------------------------------------------------------------
-    def decoder_source(self) -> Any:
-        """What ``build_chunks`` builds the twin from: the module itself, or for a composed model its decoder LM
-        (``config`` and HF-named ``model``; its weights must be materialised)."""
-        if not self.composed:
-            return self.module
-        decoder = self._decoder().component
-        if any(p.is_meta for p in decoder.module.parameters()):
-            raise NotImplementedError(
-                f"the decoder component {decoder.name!r} is on the meta device: per-rank pretrained loading is not yet "
-                "supported for a composed model under MegatronStrategy; build the module with materialised weights"
-            )
-        return SimpleNamespace(config=decoder.module.config, model=decoder.module)
-
-    def decoder_config_overrides(self) -> dict[str, Any]:
-        """``TransformerConfig`` fields of the decoder's options (full recompute)."""
-        decoder = self._decoder()
-        return dict(_FULL_RECOMPUTE) if decoder is not None and decoder.recompute == "full" else {}
+    def decoder_recompute(self) -> str:
+        """The decoder's ``recompute`` option (the twin applies it)."""
+        return self.decoder.recompute
 
     def prepare_decoder(self, chunks: list[nn.Module]) -> None:
-        """Freeze the twin when asked (before its DDP wraps it); for a composed model under sequence parallelism,
-        keep the token embeddings whole (the merge needs every position; :meth:`forward_step` scatters after it)."""
-        from forge_lightning.modules.llm.megatron import unwrap
-
-        decoder = self._decoder()
-        for chunk in chunks:
-            if decoder is not None and decoder.frozen:
+        """Freeze the twin when asked (before its DDP wraps it)."""
+        if self.decoder.frozen:
+            for chunk in chunks:
                 chunk.requires_grad_(False)
-            gpt = unwrap(chunk)
-            if self.composed and getattr(gpt, "pre_process", False):
-                gpt.embedding.word_embeddings.reduce_scatter_embeddings = False
 
-    def wrap_encoders(self, chunks: list[nn.Module], *, device: torch.device, bf16: bool) -> None:
+    def wrap_encoders(self, chunks: list[nn.Module], *, device: torch.device) -> None:
         """Freeze / recompute the encoder-side components and wrap their trainable parameters in a megatron DDP
         that reduces over the TP x DP group (every rank holds a replica)."""
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        from forge_lightning.modules.llm.megatron import unwrap
-
-        self._bf16 = bf16
         side = self._encoder_side()
         if not side:
             return
@@ -386,7 +362,7 @@ class Components:
             return
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
         ddp = DistributedDataParallel(
-            unwrap(chunks[0]).config,
+            chunk_config(chunks[0]),
             ddp_config,
             modules,
             disable_bucketing=True,
@@ -396,13 +372,23 @@ class Components:
         self.encoder_ddp = [ddp]
 
     # ----- training ---------------------------------------------------------------------------------------------
+    def encode(self, batch: dict[str, Tensor]) -> Tensor:
+        """The composition's ``encode`` of one micro-batch, each rank of the decoder's TP group encoding a share of
+        its samples (:func:`encode_over_group`); under autocast in bf16 runs (the encoder side keeps fp32
+        parameters, which megatron's optimizer steps as fp32). The twin's forward step calls it."""
+        from megatron.core import parallel_state
+
+        assert self.composition is not None
+        with self._autocast(batch["input_ids"].device):
+            return encode_over_group(
+                self.composition.encode, batch, parallel_state.get_tensor_model_parallel_group()
+            )
+
     def connect(self, chunks: list[nn.Module]) -> None:
         """Make the schedule's gradient finalisation also finish and scale the encoder side's gradients."""
-        from forge_lightning.modules.llm.megatron import unwrap
-
         if not self.encoder_ddp:
             return
-        config = unwrap(chunks[0]).config
+        config = chunk_config(chunks[0])
         config.finalize_model_grads_func = partial(self.finalize, config.finalize_model_grads_func)
 
     def finalize(
@@ -429,86 +415,44 @@ class Components:
         for ddp in self.encoder_ddp:
             ddp.zero_grad_buffer()
 
-    def forward_step(
-        self, ignore_index: int, data_iterator: Iterator[dict[str, Tensor]], model: nn.Module
-    ) -> tuple:
-        """megatron's ``forward_step_func`` of a composed model: encode (shared over the TP group), merge with the
-        twin's token embeddings, run the twin on the merged inputs; the loss function as in ``schedule.py``."""
-        from megatron.core import parallel_state
-
-        from forge_lightning.modules.llm.megatron import unwrap
-        from forge_lightning.strategies.megatron.schedule import masked_loss_sum
-
-        batch = next(data_iterator)
-        if batch.get("document_ids") is not None:
-            raise NotImplementedError(
-                "packed batches (document_ids) of a composed model (encoder -> projector -> LLM) are not yet "
-                "supported by MegatronStrategy: the merge changes the sequence, so the document ids would not match"
-            )
-        gpt = unwrap(model)
-        with self._autocast(batch["input_ids"].device):
-            encoded = encode_over_group(
-                self.composition.encode, batch, parallel_state.get_tensor_model_parallel_group()
-            )
-        # The twin's token embeddings, whole on every TP rank (all-reduced, not scattered: see prepare_decoder).
-        tokens_BSH = gpt.embedding.word_embeddings(batch["input_ids"])
-        inputs_BTH, labels_BT = self.composition.merge(tokens_BSH, encoded.to(tokens_BSH.dtype), batch)
-        mask = labels_BT != ignore_index
-        decoder_input = _decoder_input(gpt, inputs_BTH)
-        # Ignored positions get a valid class id; their loss is masked out.
-        output = model(None, None, None, decoder_input=decoder_input, labels=labels_BT.masked_fill(~mask, 0))
-        return output, partial(masked_loss_sum, mask)
-
     def _autocast(self, device: torch.device) -> Any:
-        """bf16 runs: the encoder side keeps fp32 parameters (megatron's optimizer steps them as fp32) and computes
-        under autocast; its output is cast to the twin's dtype for the merge."""
         if not self._bf16:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=torch.bfloat16)
 
     # ----- checkpoints and export ---------------------------------------------------------------------------------
-    def decoder_config(self) -> Any:
-        """The decoder's ``LLMConfig`` (written as a checkpoint's ``config.json`` and checked on load)."""
-        return self._decoder().component.module.config if self.composed else self.module.config
-
     def encoder_modules(self) -> dict[str, nn.Module]:
         """The encoder side's modules by component name (frozen ones included), in the plan's order; empty for a
-        module without composition. Checkpoints store them as replicated tensors (see checkpoint.py)."""
+        module of one component. Checkpoints store them as replicated tensors (see checkpoint.py)."""
         return {r.component.name: r.component.module for r in self._encoder_side()}
 
     def frozen(self) -> list[str]:
         """The names of the frozen components (no optimizer state), as the checkpoint records them."""
         return sorted(r.component.name for r in self.resolved if r.frozen)
 
-    def full_state_dict(self, decoder_hf: dict[str, Tensor], module: nn.Module | None) -> dict[str, Tensor]:
-        """A composed model's full state dict under the native module's names, from the twin's Hugging Face export.
+    def full_state_dict(
+        self, decoder_state: dict[str, Tensor], module: nn.Module | None
+    ) -> dict[str, Tensor]:
+        """The module's full state dict under its own names, from the twin's state of the decoder component.
 
-        The decoder's tensors go under its module's prefix in the LightningModule (``model.llm.``) in the native
-        layout (a MoE layer's experts fused into 3-D tensors, a tied ``lm_head.weight`` beside the embedding), the
-        encoder side's are this rank's replica of them: the LightningModule's own ``state_dict()`` keys, which
-        ``load_state_dict(strict=True)`` takes back.
+        The decoder's tensors go under its module's prefix in the LightningModule (e.g. ``model.`` or
+        ``model.llm.``), the encoder side's are this rank's replica of them: the LightningModule's own
+        ``state_dict()`` keys, which ``load_state_dict(strict=True)`` takes back.
 
         Args:
-            decoder_hf: ``export_hf_state`` of the twin (full on global rank 0, empty elsewhere).
+            decoder_state: the twin's ``state_dict`` (full on global rank 0, empty elsewhere).
             module: ``None`` (or the LightningModule) for every key; a submodule for its keys, relative to it.
 
         Returns:
             The state dict on global rank 0 (CPU), an empty dict elsewhere.
         """
-        from forge_lightning.modules.llm.hf import _EMBEDDING, _TIED_HEAD, fuse_experts
-
         prefixes = {id(sub): name for name, sub in self.module.named_modules()}
         prefix = "" if module is None else prefixes.get(id(module))
         if prefix is None:
             raise ValueError(f"{type(module).__name__} is not a submodule of {type(self.module).__name__}")
         if dist.get_rank() != 0:
             return {}
-        decoder = self._decoder().component.module
-        native = fuse_experts(decoder_hf)
-        order = list(decoder.state_dict())
-        if decoder.config.tie_word_embeddings and _TIED_HEAD in order:
-            native[_TIED_HEAD] = native[_EMBEDDING]
-        parts = {id(decoder): {k: native[k] for k in order if k in native} | native}  # the native order
+        parts = {id(self.decoder.component.module): decoder_state}
         for r in self._encoder_side():
             parts[id(r.component.module)] = {
                 k: v.detach().cpu().clone() for k, v in r.component.module.state_dict().items()
@@ -522,8 +466,7 @@ class Components:
 
 
 def _prepare_encoder_component(r: ResolvedComponent) -> None:
-    """Freeze (or unfreeze), wrap the blocks for recompute and tag the embedding tables of one encoder-side
-    component."""
+    """Freeze (or unfreeze) and wrap the blocks for recompute of one encoder-side component."""
     module = r.component.module
     if r.frozen or r.component.frozen:  # as asked: `freeze: false` unfreezes a component the plan freezes
         module.requires_grad_(not r.frozen)
@@ -534,29 +477,6 @@ def _prepare_encoder_component(r: ResolvedComponent) -> None:
         )
         for block in blocks:
             setattr(block, _RECOMPUTED, True)
-    for sub in module.modules():  # the one no-decay rule: embedding tables are not decayed
-        if isinstance(sub, nn.Embedding):
-            sub.weight.no_weight_decay = True
-
-
-def _decoder_input(gpt: nn.Module, inputs_BTH: Tensor) -> Tensor:
-    """The twin's ``decoder_input`` from merged embeddings ``[b, T, H]``: sequence first, embedding dropout, and
-    under sequence parallelism this TP rank's share of the sequence (what megatron's own embedding does)."""
-    from megatron.core import tensor_parallel
-
-    config = gpt.config
-    x_TBH = inputs_BTH.transpose(0, 1).contiguous()
-    if not config.sequence_parallel:
-        return gpt.embedding.embedding_dropout(x_TBH)
-    tp = config.tensor_model_parallel_size
-    if x_TBH.shape[0] % tp:
-        raise ValueError(
-            f"sequence_parallel: the decoder's input length ({x_TBH.shape[0]}: the merged encoder and text positions) "
-            f"must be divisible by tensor_model_parallel_size ({tp})"
-        )
-    x_TBH = tensor_parallel.scatter_to_sequence_parallel_region(x_TBH).clone()
-    with tensor_parallel.get_cuda_rng_tracker().fork():
-        return gpt.embedding.embedding_dropout(x_TBH)
 
 
 def _replica_groups() -> Any:

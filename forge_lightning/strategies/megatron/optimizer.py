@@ -10,18 +10,29 @@ from torch import nn
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_scheduler
 
 
-def _no_decay(decay_all: bool) -> Any:
-    """megatron param-group overrides reproducing ``forge_lightning.optim.param_groups``'s decay rule."""
+def _no_decay(decay_all: bool, chunks: list[nn.Module]) -> Any:
+    """megatron param-group overrides reproducing ``forge_lightning.optim.param_groups``'s decay rule: norm weights,
+    biases (parameters of fewer than 2 dimensions) and embedding tables are not decayed, matrices are.
+
+    Embedding tables are found by module type in any chunk (the twin's megatron ``VocabParallelEmbedding``, a
+    composed model's encoder-side ``nn.Embedding``), plus the copy of a tied embedding that megatron keeps on the
+    last pipeline stage (its ``shared_embedding`` tag).
+    """
     from megatron.core.optimizer import ParamGroupOverride, ParamKey, ParamWithNamePredicate
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
 
     if decay_all:
         return {}
-    # Norm weights, biases and the embedding (tied or not) are not decayed; matrices are. Embedding tables outside the
-    # twin (a composed model's encoder side, see components.py) are tagged `no_weight_decay`.
+    tables = {
+        id(m.weight)
+        for chunk in chunks
+        for m in chunk.modules()
+        if isinstance(m, nn.Embedding | VocabParallelEmbedding)
+    }
     rule = ParamWithNamePredicate(
         name="norms_biases_embeddings",
         fn=lambda param, name: (
-            param.ndim < 2 or "word_embeddings" in name or getattr(param, "no_weight_decay", False)
+            param.ndim < 2 or id(param) in tables or getattr(param, "shared_embedding", False)
         ),
     )
     return {ParamKey(with_name_predicate=rule): ParamGroupOverride(wd_mult=0.0)}
@@ -69,7 +80,7 @@ def build_megatron_optimizer(
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
     optimizer = get_megatron_optimizer(
-        megatron_config, chunks, config_overrides=_no_decay(config.decay_norms_biases_embeddings)
+        megatron_config, chunks, config_overrides=_no_decay(config.decay_norms_biases_embeddings, chunks)
     )
     # megatron's own scheduler sets each group's weight decay from its multiplier every step; ours sets the LR
     # only, so apply the multipliers once here.

@@ -1,14 +1,18 @@
 """``MegatronStrategy``: megatron-core (TP / PP / VPP / SP / CP / EP, DDP, DistributedOptimizer) as a Lightning backend.
 
-The LightningModule stays what it is under every strategy (e.g. ``CausalLM`` with its ``LLMConfig``); this
-strategy builds the module's megatron-core twin (``forge_lightning.modules.llm.megatron``), copies the module's
-weights into it (each rank keeps its TP shard of its pipeline stage) and trains the twin::
+The LightningModule stays what it is under every strategy; this strategy asks it for its megatron-core model
+through the contract (:class:`~forge_lightning.contracts.MegatronModule`: ``module.megatron_model(build)`` returns a
+:class:`~forge_lightning.contracts.MegatronTwin`), which builds this rank's chunks with the module's weights (its TP
+shard of its pipeline stage), and trains them. Nothing here knows a model family::
 
     Lightning loop, automatic optimisation, accumulate_grad_batches = N micro-batches per step
       training_step x N ──> the strategy buffers the micro-batches; on the N-th it runs megatron's schedule
-                            (forward + backward of all N, pipelined; see schedule.py) and logs train/loss
+                            (forward + backward of all N, pipelined; see schedule.py) with the twin's forward
+                            step and loss function, then hands the step's sums to the twin (the module records
+                            and logs them, as natively)
       backward            ──> nothing: the schedule did it (no double backward)
-      optimizer_step      ──> megatron optimizer.step() (grad clipping, DistributedOptimizer all-gather)
+      optimizer_step      ──> the module's on_before_optimizer_step (logs train/loss), megatron optimizer.step()
+                            (grad clipping, DistributedOptimizer all-gather)
       lr_scheduler.step() ──> the module's SchedulerConfig, as a LambdaLR on megatron's param groups
 
 Checkpoints are megatron-core dist-checkpoints written through :class:`MegatronCheckpointIO` (checkpoint.py): model
@@ -23,7 +27,9 @@ with its share of every sequence.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -44,14 +50,24 @@ from lightning.pytorch.strategies import ParallelStrategy
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.trainer import call
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import nn
 from typing_extensions import override
 
+from forge_lightning.contracts import (
+    MegatronBuild,
+    MegatronDims,
+    MegatronModule,
+    MegatronTwin,
+    StrategyTraits,
+    TunedModule,
+)
+from forge_lightning.performance import PerformanceConfig, apply_sdpa_backends, check_applied, resolve
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
+from forge_lightning.strategies.materialize import materialize_module
+from forge_lightning.strategies.megatron import callback_state
 from forge_lightning.strategies.megatron import checkpoint as ckpt
-from forge_lightning.strategies.megatron import model as twin
 from forge_lightning.strategies.megatron.checkpoint import MegatronCheckpointIO
 from forge_lightning.strategies.megatron.components import Components, parse_components
 from forge_lightning.strategies.megatron.optimizer import (
@@ -62,11 +78,9 @@ from forge_lightning.strategies.megatron.optimizer import (
 from forge_lightning.strategies.megatron.schedule import (
     check_interleaved_micro_batches,
     eval_micro_batches,
-    expert_load_metrics,
-    forward_step,
-    router_loss_metrics,
     run_schedule,
 )
+from forge_lightning.strategies.megatron.wrapping import chunk_config, connect_schedule, wrap_ddp
 
 _PRECISIONS = {"32-true": False, "32": False, "bf16-mixed": True, "bf16-true": True}
 
@@ -107,9 +121,14 @@ class MegatronStrategy(ParallelStrategy):
     """
 
     strategy_name = "megatron"
-    owns_checkpoint_io = True
     # The CLI builds the module under `deferred_pretrained`: each rank reads its shards of model.init_args.pretrained.
-    reads_pretrained_shards = True
+    # The twin applies the performance switches it supports; the native model is never trained here.
+    traits = StrategyTraits(
+        owns_checkpoint_io=True, reads_pretrained_shards=True, applies_performance=True, shards_model=True
+    )
+    # Switches the strategy applies itself (``compile: false`` is honoured: nothing is compiled); the twin names
+    # the others it applies.
+    performance_switches = frozenset({"optimizer", "attention.sdpa", "compile"})
 
     def __init__(
         self,
@@ -131,21 +150,24 @@ class MegatronStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         super().__init__()
-        self.tensor_model_parallel_size = tensor_model_parallel_size
-        self.pipeline_model_parallel_size = pipeline_model_parallel_size
-        self.virtual_pipeline_model_parallel_size = virtual_pipeline_model_parallel_size
-        self.sequence_parallel = sequence_parallel
-        self.context_parallel_size = context_parallel_size
-        self.cp_comm_type = cp_comm_type
-        self.hierarchical_context_parallel_sizes = hierarchical_context_parallel_sizes
-        self.expert_model_parallel_size = expert_model_parallel_size
-        self.expert_tensor_parallel_size = expert_tensor_parallel_size
-        self.use_distributed_optimizer = use_distributed_optimizer
+        self.dims = MegatronDims(
+            tensor_model_parallel_size=tensor_model_parallel_size,
+            pipeline_model_parallel_size=pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+            context_parallel_size=context_parallel_size,
+            cp_comm_type=cp_comm_type,
+            hierarchical_context_parallel_sizes=hierarchical_context_parallel_sizes,
+            expert_model_parallel_size=expert_model_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size,
+            sequence_parallel=sequence_parallel,
+            use_distributed_optimizer=use_distributed_optimizer,
+            overlap_param_gather=overlap_param_gather,
+        )
         self.overlap_grad_reduce = overlap_grad_reduce
-        self.overlap_param_gather = overlap_param_gather
         self.use_transformer_engine = use_transformer_engine
         self.components = components
         self._components: Components | None = None
+        self._twin: MegatronTwin | None = None
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._num_nodes = 1
@@ -192,44 +214,37 @@ class MegatronStrategy(ParallelStrategy):
             self.root_device
         )
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        dp = twin.validate_degrees(self.world_size, self._degrees())
-        parse_components(self.components, self.tensor_model_parallel_size)  # names are checked in setup
-        from megatron.core import parallel_state
-        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        dims = self.dims
+        dp = dims.validate(self.world_size)
+        parse_components(self.components, dims.tp)  # names are checked in setup
+        try:
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        except ImportError as err:
+            raise ImportError(
+                "MegatronStrategy needs megatron-core: pip install 'forge-lightning[megatron]'"
+            ) from err
 
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=self.tensor_model_parallel_size,
-            pipeline_model_parallel_size=self.pipeline_model_parallel_size,
-            virtual_pipeline_model_parallel_size=self.virtual_pipeline_model_parallel_size,
-            context_parallel_size=self.context_parallel_size,
-            expert_model_parallel_size=self.expert_model_parallel_size,
-            expert_tensor_parallel_size=self.expert_tensor_parallel_size,
-            hierarchical_context_parallel_sizes=self.hierarchical_context_parallel_sizes,
+            tensor_model_parallel_size=dims.tp,
+            pipeline_model_parallel_size=dims.pp,
+            virtual_pipeline_model_parallel_size=dims.virtual_pipeline_model_parallel_size,
+            context_parallel_size=dims.cp,
+            expert_model_parallel_size=dims.ep,
+            expert_tensor_parallel_size=dims.expert_tensor_parallel_size,
+            hierarchical_context_parallel_sizes=(
+                None
+                if dims.hierarchical_context_parallel_sizes is None
+                else list(dims.hierarchical_context_parallel_sizes)
+            ),
         )
         model_parallel_cuda_manual_seed(torch.initial_seed() % 2**31)
         self._parallel_ready = True
         rank_zero_info(
-            f"{type(self).__name__}: TP={self.tensor_model_parallel_size} x PP={self.pipeline_model_parallel_size}"
-            f" (VPP={self.virtual_pipeline_model_parallel_size or 1}) x CP={self.context_parallel_size} x DP={dp} (EP="
-            f"{self.expert_model_parallel_size}, ETP={self.expert_tensor_parallel_size or self.tensor_model_parallel_size})"
-            f" over {self.world_size} processes; cp_comm_type={self.cp_comm_type}, "
-            f"sequence_parallel={self.sequence_parallel}, distributed optimizer={self.use_distributed_optimizer}"
+            f"{type(self).__name__}: TP={dims.tp} x PP={dims.pp} (VPP={dims.vpp}) x CP={dims.cp} x DP={dp} (EP="
+            f"{dims.ep}, ETP={dims.etp}) over {self.world_size} processes; cp_comm_type={dims.cp_comm_type}, "
+            f"sequence_parallel={dims.sequence_parallel}, distributed optimizer={dims.use_distributed_optimizer}"
         )
-
-    def _degrees(self) -> dict[str, Any]:
-        return {
-            "tensor_model_parallel_size": self.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": self.pipeline_model_parallel_size,
-            "virtual_pipeline_model_parallel_size": self.virtual_pipeline_model_parallel_size,
-            "context_parallel_size": self.context_parallel_size,
-            "cp_comm_type": self.cp_comm_type,
-            "hierarchical_context_parallel_sizes": self.hierarchical_context_parallel_sizes,
-            "expert_model_parallel_size": self.expert_model_parallel_size,
-            "expert_tensor_parallel_size": self.expert_tensor_parallel_size,
-            "sequence_parallel": self.sequence_parallel,
-            "overlap_param_gather": self.overlap_param_gather,
-            "use_distributed_optimizer": self.use_distributed_optimizer,
-        }
 
     def _require_parallel(self, what: str) -> Any:
         if not self._parallel_ready:
@@ -291,32 +306,50 @@ class MegatronStrategy(ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        if getattr(getattr(self.lightning_module, "performance", None), "fp8", None) is not None:
-            raise ValueError(
-                "performance.fp8 is not applied under MegatronStrategy (megatron-core's FP8 runs through "
-                "TransformerEngine): remove performance.fp8, or train with FSDP2Strategy / DDPStrategy"
+        module = self.lightning_module
+        if not isinstance(module, MegatronModule):
+            raise TypeError(
+                f"MegatronStrategy trains a module's megatron-core model: {type(module).__name__} provides none "
+                "(implement megatron_model(build) -> MegatronTwin, see forge_lightning.contracts.MegatronModule), "
+                "or train it with FSDP2Strategy / DDPStrategy"
             )
+        perf = module.performance if isinstance(module, TunedModule) else None
+        _refuse_performance(perf)
         self._bf16 = _bf16(trainer.precision)
-        options = parse_components(self.components, self.tensor_model_parallel_size)
-        parts = self._components = Components(self.lightning_module, options, self._degrees())
-        self._chunks = twin.build_chunks(
-            parts.decoder_source(),
-            self._degrees(),
+        if perf is not None:  # process-wide, read by any twin's SDPA attention
+            apply_sdpa_backends(resolve(perf, self.root_device).sdpa)
+        dims = self.dims
+        parts = self._components = Components(
+            module, parse_components(self.components, dims.tp), dims, bf16=self._bf16
+        )
+        module.parallel_plan().check_tensor_parallel(
+            dims.tp, option="tensor_model_parallel_size", components=[parts.decoder.component.name]
+        )
+        build = MegatronBuild(
+            dims=dims,
             device=self.root_device,
             bf16=self._bf16,
             use_transformer_engine=self.use_transformer_engine,
-            config_overrides=parts.decoder_config_overrides(),
+            recompute=parts.decoder_recompute(),
+            performance=perf,
+            composition=parts.composition,
+            encode=parts.encode if parts.composed else None,
         )
+        self._twin = module.megatron_model(build)
+        check_applied(perf, self.performance_switches | self._twin.performance_switches, type(self).__name__)
+        self._chunks = self._twin.build_chunks()
+        for chunk in self._chunks:
+            if not getattr(chunk_config(chunk), "calculate_per_token_loss", False):
+                raise ValueError(
+                    f"{type(self._twin).__name__}'s chunks need a TransformerConfig with calculate_per_token_loss=True: "
+                    "megatron's schedule then divides the step's gradients by its count (the one batch rule)"
+                )
         parts.prepare_decoder(self._chunks)
-        self._chunks = twin.wrap_ddp(
-            self._chunks, self._degrees(), overlap_grad_reduce=self.overlap_grad_reduce
-        )
-        parts.wrap_encoders(self._chunks, device=self.root_device, bf16=self._bf16)
+        self._chunks = wrap_ddp(self._chunks, dims, overlap_grad_reduce=self.overlap_grad_reduce)
+        parts.wrap_encoders(self._chunks, device=self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             check_interleaved_micro_batches(
-                self.pipeline_model_parallel_size,
-                self.virtual_pipeline_model_parallel_size,
-                trainer.accumulate_grad_batches,
+                dims.pp, dims.virtual_pipeline_model_parallel_size, trainer.accumulate_grad_batches
             )
             self.setup_optimizers(trainer)
 
@@ -336,10 +369,11 @@ class MegatronStrategy(ParallelStrategy):
         options = dict(
             clip_grad=float(clip),
             bf16=_bf16(trainer.precision),
-            implementation=getattr(getattr(module, "performance", None), "optimizer", "auto"),
+            implementation=module.performance.optimizer if isinstance(module, TunedModule) else "auto",
         )
         encoders = self._components.encoder_ddp
-        if encoders and self.use_distributed_optimizer:
+        dims = self.dims
+        if encoders and dims.use_distributed_optimizer:
             # A composed model's encoder side reduces its gradients over TP x DP (every rank holds a replica), not
             # over the DP group the distributed optimizer shards by: it gets its own plain optimizer, chained with
             # the twin's (one global gradient norm, one step).
@@ -348,7 +382,7 @@ class MegatronStrategy(ParallelStrategy):
                     self._chunks,
                     module.optimizer_config,
                     use_distributed_optimizer=True,
-                    overlap_param_gather=self.overlap_param_gather,
+                    overlap_param_gather=dims.overlap_param_gather,
                     **options,
                 ),
                 build_megatron_optimizer(
@@ -364,11 +398,11 @@ class MegatronStrategy(ParallelStrategy):
             optimizer = build_megatron_optimizer(
                 self._chunks + encoders,
                 module.optimizer_config,
-                use_distributed_optimizer=self.use_distributed_optimizer,
-                overlap_param_gather=self.overlap_param_gather,
+                use_distributed_optimizer=dims.use_distributed_optimizer,
+                overlap_param_gather=dims.overlap_param_gather,
                 **options,
             )
-        twin.connect_schedule(self._chunks, optimizer, self._degrees(), self.overlap_grad_reduce)
+        connect_schedule(self._chunks, optimizer, dims, self.overlap_grad_reduce)
         self._components.connect(self._chunks)
         total = module.scheduler_config.total_steps or int(trainer.estimated_stepping_batches)
         schedulers = build_schedulers(optimizer, module.scheduler_config, total)
@@ -378,7 +412,8 @@ class MegatronStrategy(ParallelStrategy):
     # ----- training ---------------------------------------------------------------------------------------------
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        """Buffer the micro-batch; on the last one of the optimizer step, run megatron's schedule over all."""
+        """Buffer the micro-batch; on the last one of the optimizer step, run megatron's schedule over all of them
+        with the twin's forward step, and hand the step's sums to the twin (the module records and logs them)."""
         self._pending.append(args[0])
         trainer = self.lightning_module.trainer
         if len(self._pending) < trainer.accumulate_grad_batches:
@@ -388,22 +423,9 @@ class MegatronStrategy(ParallelStrategy):
             chunk.zero_grad_buffer()
         self._components.zero_grad_buffers()
         self.optimizers[0].zero_grad()
-        step = self._step_func()
-        sums = run_schedule(
-            self._chunks, batches, ignore_index=self._ignore_index(), forward_only=False, step_func=step
-        )
-        sums = self.reduce(sums, reduce_op="sum")
-        loss = (sums[0] / sums[1].clamp_min(1)).float()
-        self.lightning_module.log("train/loss", loss, prog_bar=True, rank_zero_only=True)
-        config = twin.unwrap(self._chunks[0]).config
-        device = next(self._chunks[0].parameters()).device
-        metrics = {
-            **router_loss_metrics(config, len(batches), device),
-            **expert_load_metrics(config, self._chunks),
-        }
-        for name, value in metrics.items():  # MoE models only
-            self.lightning_module.log(name, value, rank_zero_only=True)
-        return loss
+        sums = run_schedule(self._chunks, batches, forward_only=False, twin=self._twin)
+        self._twin.after_schedule(self._chunks, sums, training=True, num_micro_batches=len(batches))
+        return (sums[0] / sums[1].clamp_min(1)).float()  # this data rank's mean, for Lightning's outputs
 
     @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -422,42 +444,28 @@ class MegatronStrategy(ParallelStrategy):
             self.lightning_module.log("train/grad_norm", float(grad_norm), rank_zero_only=True)
         return success
 
-    def _ignore_index(self) -> int:
-        return getattr(self.lightning_module, "ignore_index", -100)
-
-    def _step_func(self) -> Any:
-        """The schedule's forward step: a composed model's runs its encoder side first (components.py)."""
-        return self._components.forward_step if self._components.composed else forward_step
-
     # ----- evaluation -------------------------------------------------------------------------------------------
-    def _eval_step(self, prefix: str, batch: dict[str, torch.Tensor]) -> None:
+    def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
+        """Forward of one evaluation batch through the schedule; the twin hands its sums to the module, which logs
+        them at the end of the epoch (as natively)."""
         for chunk in self._chunks:
             chunk.eval()
         # The interleaved schedule runs micro-batches in groups of PP: split (or pad) the batch into PP of them.
-        groups = self.pipeline_model_parallel_size if len(self._chunks) > 1 else 1
-        batches = eval_micro_batches(batch, groups, ignore_index=self._ignore_index())
+        groups = self.dims.pp if len(self._chunks) > 1 else 1
+        batches = eval_micro_batches(batch, groups, twin=self._twin)
         with torch.no_grad():
-            step = self._step_func()
-            sums = run_schedule(
-                self._chunks, batches, ignore_index=self._ignore_index(), forward_only=True, step_func=step
-            )
-        sums = self.reduce(sums, reduce_op="sum")
+            sums = run_schedule(self._chunks, batches, forward_only=True, twin=self._twin)
+        self._twin.after_schedule(self._chunks, sums, training=False, num_micro_batches=len(batches))
         for chunk in self._chunks:
             chunk.train()
-        # Weighted by its tokens, Lightning's epoch mean of the per-batch means is the token mean of the epoch.
-        loss = (sums[0] / sums[1].clamp_min(1)).float()
-        tokens = max(int(sums[1]), 1)
-        self.lightning_module.log(
-            f"{prefix}/loss", loss, on_epoch=True, batch_size=tokens, rank_zero_only=True
-        )
 
     @override
     def validation_step(self, *args: Any, **kwargs: Any) -> None:
-        self._eval_step("val", args[0])
+        self._eval_step(args[0])
 
     @override
     def test_step(self, *args: Any, **kwargs: Any) -> None:
-        self._eval_step("test", args[0])
+        self._eval_step(args[0])
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -471,16 +479,11 @@ class MegatronStrategy(ParallelStrategy):
         """The trained weights as a full state dict on global rank 0 (CPU; empty elsewhere). Collective: call it on
         every rank.
 
-        A decoder LM (``CausalLM``): its Hugging Face state dict; ``module`` is accepted for the native strategies'
-        signature. A composed model: the LightningModule's own ``state_dict()`` names (the decoder's tensors under
-        its prefix, e.g. ``model.llm.model.embed_tokens.weight``; the encoder side's as they are), or with
-        ``module`` a submodule's, relative to it (as the native strategies' ``full_model_state_dict``).
+        Under the LightningModule's own ``state_dict()`` names (the twin's component under its prefix, e.g.
+        ``model.model.embed_tokens.weight``; a composed model's encoder side as it is), or with ``module`` a
+        submodule's, relative to it (as the native strategies' ``full_model_state_dict``).
         """
-        from forge_lightning.strategies.megatron.bridge import export_hf_state
-
-        parts = self._components
-        decoder = export_hf_state(self._chunks, parts.decoder_config())
-        return parts.full_state_dict(decoder, module) if parts.composed else decoder
+        return self._components.full_state_dict(self._twin.state_dict(self._chunks), module)
 
     # ----- checkpoints (see checkpoint.py) ----------------------------------------------------------------------
     @property
@@ -531,12 +534,19 @@ class MegatronStrategy(ParallelStrategy):
         optimizer = self.optimizers[0] if with_optimizer and self.optimizers else None
         checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
         parts = self._components
-        checkpoint[ckpt.SHARDED_KEY] = ckpt.sharded_state_dict(
-            self._chunks, optimizer, is_loading=False, components=parts.encoder_modules()
-        )
-        checkpoint[ckpt.HF_CONFIG_KEY] = parts.decoder_config().to_hf()  # a composed model's: its decoder's
+        encoders = parts.encoder_modules()
+        sharded = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=False, components=encoders)
+        if checkpoint.get("callbacks"):  # their per-parameter state (EMA's average) is saved sharded, too
+            shards = callback_state.parameter_shards(self._chunks, encoders)
+            checkpoint["callbacks"], taken = callback_state.take_callback_state(
+                checkpoint["callbacks"], shards
+            )
+            if taken:
+                sharded[ckpt.CALLBACKS_KEY] = taken
+        checkpoint[ckpt.SHARDED_KEY] = sharded
+        checkpoint[ckpt.HF_CONFIG_KEY] = self._twin.hf_config()  # a composed model's: its decoder's
         checkpoint[ckpt.INFO_KEY] = {
-            "layout": {**self._degrees(), "data_parallel_size": self.data_parallel_size},
+            "layout": {**self.dims.as_dict(), "data_parallel_size": self.data_parallel_size},
             "world_size": self.world_size,
             "optimizer": self._optimizer_kind() if optimizer is not None else None,
             "frozen": parts.frozen(),
@@ -549,17 +559,34 @@ class MegatronStrategy(ParallelStrategy):
         parts = self._components
         path = Path(self.broadcast(str(checkpoint_path)))
         meta = ckpt.check_is_checkpoint(path)
-        ckpt.check_model_config(path, parts.decoder_config())
+        ckpt.check_model_config(path, self._twin)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         optimizer = self.optimizers[0] if fitting and self.optimizers else None
         if optimizer is not None:
             ckpt.check_optimizer_kind(path, meta, self._optimizer_kind())
-            ckpt.check_expert_layout(path, meta, self._degrees())
+            ckpt.check_expert_layout(path, meta, self.dims.as_dict())
             ckpt.check_frozen(path, meta, parts.frozen())
         encoders = parts.encoder_modules()
         template = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=True, components=encoders)
+        # Callbacks' per-parameter state (EMA's average) loads into what the live callbacks hold now: Lightning
+        # restores after setup and on_fit_start here, so they have built it, named and shaped like this run's.
+        live = {cb.state_key: cb.state_dict() for cb in self.lightning_module.trainer.callbacks}
+        shards = callback_state.parameter_shards(self._chunks, encoders)
+        wanted, unmatched = callback_state.callback_templates(meta.get("callbacks") or {}, live, shards)
+        if wanted:
+            template[ckpt.CALLBACKS_KEY] = wanted
+        if unmatched:
+            rank_zero_warn(
+                f"{type(self).__name__}: the callback state {unmatched[:3]} in {path} was not loaded: no callback "
+                "holds per-parameter state at that place now. Callbacks with such state (EMA) build it when fit "
+                "starts, so only `fit(ckpt_path=...)` restores it"
+            )
         checkpoint = self.checkpoint_io.load_checkpoint(path, sharded_state_dict=template)
-        ckpt.load_into(self._chunks, optimizer, checkpoint.pop(ckpt.SHARDED_KEY), components=encoders)
+        loaded = checkpoint.pop(ckpt.SHARDED_KEY)
+        ckpt.load_into(self._chunks, optimizer, loaded, components=encoders)
+        callback_state.put_callback_state(
+            checkpoint.get("callbacks") or {}, loaded.get(ckpt.CALLBACKS_KEY) or {}
+        )
         rank_zero_info(f"{type(self).__name__}: loaded {path} ({ckpt.describe_layout(checkpoint)})")
         checkpoint[ckpt.SHARDED_KEY] = {}
         return checkpoint
@@ -573,14 +600,103 @@ class MegatronStrategy(ParallelStrategy):
         pass  # loaded by load_checkpoint
 
     def _optimizer_kind(self) -> dict[str, bool]:
-        return {"distributed": self.use_distributed_optimizer, "bf16": self._bf16}
+        return {"distributed": self.dims.use_distributed_optimizer, "bf16": self._bf16}
+
+    def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
+        """This rank's trained parameters (:class:`~forge_lightning.contracts.TrainedParameters`): its shards of the
+        twin's chunks (and a composed model's trainable encoder side), named by their place in the checkpoint
+        (``model<i>.<name>`` of chunk ``i``, ``components.<component>.<name>``).
+
+        They are the model parameters, in the run's dtype: in bf16 runs the bf16 weights the forward reads, which
+        megatron's optimizer sets from its fp32 main copies after every step, not those copies (the distributed
+        optimizer holds them as flat slices over the data-parallel ranks, and an in-place write to them would
+        change the training). Writing into them (EMA's evaluation swap) leaves the fp32 main copies as they are;
+        in fp32 runs under the distributed optimizer the parameters are the main copies' storage, so a writer
+        restores what it wrote over.
+
+        Raises:
+            RuntimeError: before setup.
+            ValueError: with ``overlap_param_gather``, under which the parameters are gathered lazily.
+        """
+        if self.dims.overlap_param_gather:
+            # The all-gather after a step is deferred into the next forward's pre-hooks: between steps a rank holds
+            # the new weights only in its own data-parallel slice of each parameter, the old ones elsewhere.
+            raise ValueError(
+                f"{type(self).__name__}(overlap_param_gather=True) gathers the updated parameters during the next "
+                "forward, so between steps they are not the trained weights and callbacks that read or write them "
+                "(EMA) cannot run: set overlap_param_gather: false (the distributed optimizer then gathers right "
+                "after each step), or leave the callback out"
+            )
+        if not self._chunks:
+            raise RuntimeError(
+                f"{type(self).__name__}.trained_parameters is only known once setup has built the twin's chunks "
+                "(from on_fit_start on)"
+            )
+        return callback_state.trained_parameters(self._chunks, self._components.encoder_modules())
+
+    @contextmanager
+    def module_weights(self) -> Iterator[None]:
+        """Within it, the LightningModule's own parameters hold the twin's trained weights, whole, on this rank's
+        device (gathered to rank 0, broadcast to every rank); afterwards they stay in the module, on the CPU.
+        Collective. For callbacks that run the module itself (generation); one full copy of the model per rank."""
+        module = self.lightning_module
+        self._copy_into_module(self.root_device)
+        try:
+            yield
+        finally:
+            module.cpu()
+
+    def _copy_into_module(self, device: torch.device | None) -> None:
+        """Copy the twin's trained weights into the LightningModule's parameters (collective): moved to ``device``
+        first, or where they are (``None``). Tensors travel one at a time, broadcast from global rank 0 on this
+        rank's device."""
+        module = self.lightning_module
+        if any(t.is_meta for t in itertools.chain(module.parameters(), module.buffers())):
+            materialize_module(module, device or self.root_device)  # deferred pretrained weights: none yet
+        if device is not None:
+            module.to(device)
+        state = self.full_model_state_dict()
+        names = self.broadcast(list(state), src=0)
+        own = module.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name in names:
+                target = own[name]
+                if self.world_size > 1:
+                    tensor = state[name] if name in state else torch.empty_like(target, device="cpu")
+                    tensor = tensor.to(self.root_device, target.dtype)
+                    torch.distributed.broadcast(tensor, src=0)
+                else:
+                    tensor = state[name]
+                target.copy_(tensor)
 
     @override
     def teardown(self) -> None:
+        """Copy the trained weights into the LightningModule (when it holds materialised weights), then release the
+        twin, its optimizer and megatron's parallel state.
+
+        Lightning's own teardown would first copy the optimizer state to host memory (minutes at scale, for a state
+        nobody reads again: it is in the checkpoints); it is dropped instead. A module built under
+        ``deferred_pretrained`` (on the meta device) keeps no weights: they are in the checkpoints and exports.
+        """
         module = self.lightning_module
-        if module is not None and any(p.is_meta for p in module.parameters()):
-            # Deferred pretrained weights (see CausalLM): the native model holds no data and never left the CPU,
-            # so Strategy.teardown's `module.cpu()` (which cannot copy meta tensors) is skipped.
+        trainer = module.trainer if module is not None and module._trainer is not None else None
+        # Not after an error: the copy is collective, and the other ranks may be elsewhere.
+        fitted = (
+            trainer is not None
+            and self._twin is not None
+            and trainer.state.fn == TrainerFn.FITTING
+            and not trainer.interrupted
+        )
+        meta = module is not None and any(p.is_meta for p in module.parameters())
+        if fitted and not meta:
+            self._copy_into_module(None)  # where the module's weights are (the CPU: the twin trained instead)
+        self.optimizers, self.lr_scheduler_configs = [], []
+        self._chunks, self._twin, self._pending = [], None, []
+        if self._components is not None:
+            self._components.encoder_ddp = []
+        if meta:
+            # The native model holds no data and never left the CPU, so Strategy.teardown's `module.cpu()` (which
+            # cannot copy meta tensors) is skipped.
             module.cpu = lambda: module  # type: ignore[method-assign]
             try:
                 super().teardown()
@@ -590,10 +706,29 @@ class MegatronStrategy(ParallelStrategy):
             super().teardown()
         if self._parallel_ready:
             from megatron.core import parallel_state
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
             parallel_state.destroy_model_parallel()
+            # megatron-core's module-level router-loss tracker is sized by this model's layers: a later model in the
+            # same process (another fit) starts from an empty one.
+            get_moe_layer_wise_logging_tracker().clear()
             self._parallel_ready = False
-        self._chunks = []
+
+
+def _refuse_performance(perf: PerformanceConfig | None) -> None:
+    """Refuse the switches megatron-core does not run here, whatever the twin (the twin refuses its own)."""
+    if perf is None:
+        return
+    if perf.fp8 is not None:
+        raise ValueError(
+            "performance.fp8 is not applied under MegatronStrategy (megatron-core's FP8 runs through "
+            "TransformerEngine): remove performance.fp8, or train with FSDP2Strategy / DDPStrategy"
+        )
+    if perf.compile is True:
+        raise ValueError(
+            "performance.compile (true) is not applied under MegatronStrategy: megatron-core's layers are not "
+            "compiled here; set it to false or 'auto' (which is off under this strategy)"
+        )
 
 
 def _bf16(precision: str | None) -> bool:

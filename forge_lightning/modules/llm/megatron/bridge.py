@@ -23,16 +23,15 @@ from safetensors import safe_open
 from torch import Tensor, nn
 
 from forge_lightning.modules.llm.config import LLMConfig
-from forge_lightning.modules.llm.hf import _EXPERT_KEY, SAFETENSORS_FILE, SAFETENSORS_INDEX
-from forge_lightning.modules.llm.megatron import (
+from forge_lightning.modules.llm.hf import EXPERT_KEY, SAFETENSORS_FILE, SAFETENSORS_INDEX
+from forge_lightning.modules.llm.megatron.gpt import named_tensors, unwrap
+from forge_lightning.modules.llm.megatron.weights import (
     WeightRule,
     assemble_shard,
     check_all_filled,
     load_hf_weights,
     merge_shards,
-    named_tensors,
     shard_indices,
-    unwrap,
     weight_rules,
 )
 
@@ -88,7 +87,7 @@ class SafetensorsSlices:
         if name in self.weight_map:
             file = self.weight_map[name]
             return file, name, (), 0, tuple(self._handle(file).get_slice(name).get_shape())
-        match = _EXPERT_KEY.fullmatch(name)  # a routed expert's weight, perhaps in the fused 3-D layout
+        match = EXPERT_KEY.fullmatch(name)  # a routed expert's weight, perhaps in the fused 3-D layout
         if match is None:
             return None
         fused = f"{match['prefix']}.{'down_proj' if match['proj'] == 'down_proj' else 'gate_up_proj'}"
@@ -144,7 +143,7 @@ def load_hf_checkpoint(
     """Load a Hugging Face directory into this rank's model chunks, reading only their shards from the files.
 
     Each parameter is read as the rows, columns, key/value groups or experts of this rank's TP / PP / EP position
-    (see :func:`~forge_lightning.modules.llm.megatron.shard_indices`): no rank holds a full model, and a rank's
+    (see :func:`~forge_lightning.modules.llm.megatron.weights.shard_indices`): no rank holds a full model, and a rank's
     host memory peaks at one parameter's shard. The result is bit-identical to filling the chunks from the
     full tensors (:func:`load_state`).
 

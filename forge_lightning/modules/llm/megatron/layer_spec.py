@@ -23,7 +23,7 @@ With TransformerEngine importable, :func:`gpt_decoder_spec` uses megatron's TE l
 from __future__ import annotations
 
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -52,18 +52,18 @@ from megatron.core.transformer.transformer_layer import (
 )
 from torch import Tensor
 
-from forge_lightning.kernels import apply_rope, rms_norm
-from forge_lightning.modules.layers.attention import DocumentMask
-from forge_lightning.modules.layers.mla import LATENT_NORM_EPS
-from forge_lightning.modules.layers.moe import grouped_linear
-from forge_lightning.modules.layers.norms import RMSNorm
-from forge_lightning.strategies.context_parallel import (
+from forge_lightning.distributed.context_parallel import (
     ContextParallel,
     hybrid_attention,
     ring_attention,
     to_head_parallel,
     to_sequence_parallel,
 )
+from forge_lightning.kernels import apply_rope, rms_norm
+from forge_lightning.modules.layers.attention import DocumentMask
+from forge_lightning.modules.layers.mla import LATENT_NORM_EPS
+from forge_lightning.modules.layers.moe import grouped_linear
+from forge_lightning.modules.layers.norms import RMSNorm
 
 
 def transformer_engine_available() -> bool:
@@ -82,24 +82,30 @@ class MegatronRMSNorm(RMSNorm):
         config: the transformer config (reads ``sequence_parallel``).
         hidden_size: normalised width.
         eps: epsilon added to the mean square.
+        backend: the kernel (``performance.kernels.rms_norm``: ``auto``, ``triton`` or ``torch``).
     """
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, backend: str = "auto", **_: Any
+    ) -> None:
         super().__init__(hidden_size, eps)
+        self.backend = backend
         # With sequence parallelism each TP rank sees a slice of the tokens, so this weight's gradient is partial:
         # megatron's finalize_model_grads all-reduces parameters carrying this attribute over the TP group.
         self.weight.sequence_parallel = config.sequence_parallel
 
     def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm(x, self.weight, self.eps, backend=self.backend)
 
 
 class LatentRMSNorm(MegatronRMSNorm):
     """MLA's query and key/value latent norms (``q_layernorm``, ``kv_layernorm``): DeepSeek's fixed epsilon
     (:data:`~forge_lightning.modules.layers.mla.LATENT_NORM_EPS`), whatever ``layernorm_epsilon`` megatron passes."""
 
-    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, **_: Any) -> None:
-        super().__init__(config, hidden_size, LATENT_NORM_EPS)
+    def __init__(
+        self, config: TransformerConfig, hidden_size: int, eps: float = 1e-5, backend: str = "auto", **_: Any
+    ) -> None:
+        super().__init__(config, hidden_size, LATENT_NORM_EPS, backend)
 
 
 class SDPACoreAttention(MegatronModule):
@@ -107,8 +113,8 @@ class SDPACoreAttention(MegatronModule):
 
     With context parallelism (``config.context_parallel_size`` = P > 1) each rank holds ``S / P`` positions of the
     sequence in megatron's load-balanced layout (rank ``r``: chunks ``r`` and ``2P - 1 - r`` of ``2P``, see
-    :func:`~forge_lightning.strategies.megatron.schedule.shard_on_context_parallel_rank`), and attention runs over
-    megatron's CP group as ``cp_comm_type`` says (:mod:`forge_lightning.strategies.context_parallel`):
+    :func:`~forge_lightning.modules.llm.megatron.steps.shard_on_context_parallel_rank`), and attention runs over
+    megatron's CP group as ``cp_comm_type`` says (:mod:`forge_lightning.distributed.context_parallel`):
 
     * ``a2a`` (default), Ulysses::
 
@@ -135,6 +141,7 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: score scale (default: ``1 / sqrt(query head size)``; MLA passes its own).
         cp_comm_type: ``a2a``, ``p2p`` or ``a2a+p2p`` (megatron passes ``config.cp_comm_type``; ``None``: ``a2a``).
         pg_collection: megatron's process groups (its ``cp`` and ``hcp`` groups; default: megatron's parallel state).
+        rope_backend: the RoPE kernel (``performance.kernels.rope``: ``auto``, ``triton`` or ``torch``).
     """
 
     def __init__(
@@ -147,10 +154,12 @@ class SDPACoreAttention(MegatronModule):
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
         pg_collection: Any = None,
+        rope_backend: str = "auto",
         **_: Any,
     ) -> None:
         super().__init__(config=config)
         self.rotary_freqs: Tensor | None = None
+        self.rope_backend = rope_backend
         if attn_mask_type != AttnMaskType.causal:
             raise NotImplementedError(f"SDPACoreAttention supports causal masks only, got {attn_mask_type}")
         self.dropout = config.attention_dropout if attention_dropout is None else attention_dropout
@@ -185,7 +194,8 @@ class SDPACoreAttention(MegatronModule):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("megatron's packed_seq_params and attention bias are not yet supported")
         if self.rotary_freqs is not None:
-            query, key = _rotate(query, self.rotary_freqs), _rotate(key, self.rotary_freqs)
+            freqs, backend = self.rotary_freqs, self.rope_backend
+            query, key = _rotate(query, freqs, backend), _rotate(key, freqs, backend)
         s, b, heads, _ = query.shape
         q_BHSD, k_BGSD, v_BGSD = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         documents = None
@@ -226,7 +236,7 @@ class SDPACoreAttention(MegatronModule):
         return out_BHSD.permute(2, 0, 1, 3).reshape(s, b, -1)  # [s, b, heads * dim_v]
 
 
-def _rotate(x_SBHD: Tensor, freqs_SB1D: Tensor) -> Tensor:
+def _rotate(x_SBHD: Tensor, freqs_SB1D: Tensor, backend: str = "auto") -> Tensor:
     """Rotate-half RoPE of ``x`` ``[s, b, heads, dim]`` by megatron's angles ``[s, 1 or b, 1, rotary dim]``.
 
     The kernel takes ``[batch, seq, heads, dim]`` with tables ``[batch or 1, seq, rotary dim]``: megatron's ``s``
@@ -235,7 +245,7 @@ def _rotate(x_SBHD: Tensor, freqs_SB1D: Tensor) -> Tensor:
     s, b = x_SBHD.shape[:2]
     angles_SBD = freqs_SB1D[:, :, 0].float()
     cos, sin = angles_SBD.cos().expand(s, b, -1), angles_SBD.sin().expand(s, b, -1)
-    return apply_rope(x_SBHD, cos, sin)
+    return apply_rope(x_SBHD, cos, sin, backend=backend)
 
 
 class FusedRopeSelfAttention(SelfAttention):
@@ -405,7 +415,7 @@ def _mark_missing_te_for_mla() -> None:
         multi_latent_attention.HAVE_TE = False
 
 
-def local_mla_spec() -> ModuleSpec:
+def local_mla_spec(kernels: Mapping[str, str] | None = None) -> ModuleSpec:
     """megatron's ``MLASelfAttention`` from its own linears, DeepSeek's latent norms and SDPA core attention (query and
     key heads of ``qk_nope_head_dim + qk_rope_head_dim``, value heads of ``v_head_dim``).
 
@@ -418,10 +428,14 @@ def local_mla_spec() -> ModuleSpec:
     rotary key over the sequence and that gather's backward (a reduce-scatter) sums every head's gradient; the
     weights' gradients are summed over the TP ranks (their ``sequence_parallel`` tag). The up projections are split
     by heads (column-parallel), the output projection row-parallel.
+
+    Args:
+        kernels: the ``rms_norm`` / ``rope`` kernel choices (``performance.kernels``; default ``auto``).
     """
     from megatron.core.post_training.modelopt.layers import Linear
 
     _mark_missing_te_for_mla()
+    latent_norm = _with_kernels(LatentRMSNorm, kernels)
     return ModuleSpec(
         module=MLASelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
@@ -431,35 +445,39 @@ def local_mla_spec() -> ModuleSpec:
             linear_q_up_proj=ColumnParallelLinear,
             linear_kv_down_proj=Linear,
             linear_kv_up_proj=ColumnParallelLinear,
-            core_attention=SDPACoreAttention,
+            core_attention=_with_kernels(SDPACoreAttention, kernels),
             linear_proj=RowParallelLinear,
-            q_layernorm=LatentRMSNorm,
-            kv_layernorm=LatentRMSNorm,
+            q_layernorm=latent_norm,
+            kv_layernorm=latent_norm,
         ),
     )
 
 
-def local_layer_spec(qk_norm: bool, *, moe: bool = False, mla: bool = False) -> ModuleSpec:
+def local_layer_spec(
+    qk_norm: bool, *, moe: bool = False, mla: bool = False, kernels: Mapping[str, str] | None = None
+) -> ModuleSpec:
     """The decoder layer from megatron's parallel linears with :class:`MegatronRMSNorm` and SDPA attention.
 
     Args:
         qk_norm: per-head RMSNorm on queries and keys (Qwen3).
         moe: a mixture-of-experts MLP (:func:`local_moe_spec`) instead of the dense one.
         mla: multi-latent attention (:func:`local_mla_spec`, DeepSeek-V3) instead of grouped-query attention.
+        kernels: the ``rms_norm`` / ``rope`` kernel choices (``performance.kernels``; default ``auto``).
     """
-    qk = MegatronRMSNorm if qk_norm else IdentityOp
+    norm = _with_kernels(MegatronRMSNorm, kernels)
+    qk = norm if qk_norm else IdentityOp
     gqa = ModuleSpec(
         module=FusedRopeSelfAttention,
         params={"attn_mask_type": AttnMaskType.causal},
         submodules=SelfAttentionSubmodules(
             linear_qkv=ColumnParallelLinear,
-            core_attention=SDPACoreAttention,
+            core_attention=_with_kernels(SDPACoreAttention, kernels),
             linear_proj=RowParallelLinear,
             q_layernorm=qk,
             k_layernorm=qk,
         ),
     )
-    attention = local_mla_spec() if mla else gqa
+    attention = local_mla_spec(kernels) if mla else gqa
     mlp = (
         local_moe_spec()
         if moe
@@ -471,18 +489,31 @@ def local_layer_spec(qk_norm: bool, *, moe: bool = False, mla: bool = False) -> 
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=MegatronRMSNorm,
+            input_layernorm=norm,
             self_attention=attention,
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=MegatronRMSNorm,
+            pre_mlp_layernorm=norm,
             mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
+def _with_kernels(module: type, kernels: Mapping[str, str] | None) -> ModuleSpec:
+    """``module``'s spec with its kernel choice as a constructor argument (norms: ``rms_norm``, the core attention:
+    ``rope``)."""
+    kernels = kernels or {}
+    if issubclass(module, SDPACoreAttention):
+        return ModuleSpec(module=module, params={"rope_backend": kernels.get("rope", "auto")})
+    return ModuleSpec(module=module, params={"backend": kernels.get("rms_norm", "auto")})
+
+
 def gpt_decoder_spec(
-    config: TransformerConfig, *, vp_stage: int | None = None, use_transformer_engine: bool | None = None
+    config: TransformerConfig,
+    *,
+    vp_stage: int | None = None,
+    use_transformer_engine: bool | None = None,
+    kernels: Mapping[str, str] | None = None,
 ) -> TransformerBlockSubmodules:
     """The decoder block of this pipeline stage: one layer spec per layer it builds, and the final norm.
 
@@ -496,6 +527,8 @@ def gpt_decoder_spec(
         config: the transformer config (layer count, pipeline layout, ``qk_layernorm``, MoE layer pattern, MLA).
         vp_stage: virtual pipeline stage of the model chunk being built.
         use_transformer_engine: force the choice (``None``: TE when importable).
+        kernels: the local spec's ``rms_norm`` / ``rope`` kernel choices (``performance.kernels``; default
+            ``auto``: Triton on CUDA, torch elsewhere).
 
     Raises:
         NotImplementedError: ``use_transformer_engine=True`` with multi-latent attention.
@@ -524,9 +557,12 @@ def gpt_decoder_spec(
             for moe in set(moe_layers)
         }
         return TransformerBlockSubmodules(layer_specs=[specs[moe] for moe in moe_layers], layer_norm=TENorm)
-    specs = {moe: local_layer_spec(config.qk_layernorm, moe=moe, mla=mla) for moe in set(moe_layers)}
+    specs = {
+        moe: local_layer_spec(config.qk_layernorm, moe=moe, mla=mla, kernels=kernels)
+        for moe in set(moe_layers)
+    }
     return TransformerBlockSubmodules(
-        layer_specs=[specs[moe] for moe in moe_layers], layer_norm=MegatronRMSNorm
+        layer_specs=[specs[moe] for moe in moe_layers], layer_norm=_with_kernels(MegatronRMSNorm, kernels)
     )
 
 

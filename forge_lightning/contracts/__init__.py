@@ -1,0 +1,92 @@
+"""The contracts between a LightningModule, its LightningDataModule and the strategy that trains them.
+
+What each layer expects of the others is declared here once, as dataclasses and ``typing.Protocol`` s, and read
+through ``isinstance`` checks instead of attribute probing::
+
+    datamodule ──batches (STEP_TOKENS), TextData──▶ module ──ParallelPlan, protocols of module.py──▶ strategy
+                                                    module ◀──StrategyTraits, protocols of strategy.py── strategy
+                                 MegatronStrategy ◀──MegatronModule / MegatronTwin (megatron.py)──▶ family
+
+* :mod:`~forge_lightning.contracts.plan`: the parallel plan (components, blocks, TP plan and its divisors, frozen
+  parts, the composition of encoder -> decoder models).
+* :mod:`~forge_lightning.contracts.module`: what a module provides (plan, batch statistics, performance switches,
+  generation, export) and how its pretrained weights may be left for the strategy to read.
+* :mod:`~forge_lightning.contracts.strategy`: a strategy's traits and what it provides (data-parallel layout,
+  gathered state dicts, the module's weights, the trained parameters, parameter resync).
+* :mod:`~forge_lightning.contracts.data`: batch keys and the text datamodule's description.
+* :mod:`~forge_lightning.contracts.megatron`: the megatron-core model a family provides for ``MegatronStrategy``.
+
+Nothing here imports a family or a strategy; ``strategies/`` imports no family (tests/test_layout.py checks both
+ways).
+"""
+
+from forge_lightning.contracts.data import STEP_TOKENS, TextData
+from forge_lightning.contracts.megatron import (
+    CP_COMM_TYPES,
+    LOSS_AND_COUNT,
+    MegatronBuild,
+    MegatronDims,
+    MegatronModule,
+    MegatronTwin,
+    experts_apart,
+)
+from forge_lightning.contracts.module import (
+    ExportableModule,
+    GenerativeModule,
+    MeasuredModule,
+    PlannedModule,
+    TunedModule,
+    deferred_pretrained,
+    pretrained_deferred,
+)
+from forge_lightning.contracts.plan import Component, Composition, ParallelPlan
+from forge_lightning.contracts.strategy import (
+    DataParallelLayout,
+    ParameterResync,
+    SeparateWeights,
+    StateGatherer,
+    StrategyTraits,
+    TensorParallelLayout,
+    TrainedParameters,
+    data_parallel,
+    full_state_dict,
+    module_weights,
+    tensor_parallel_size,
+    trained_parameters,
+    traits_of,
+)
+
+__all__ = [
+    "CP_COMM_TYPES",
+    "LOSS_AND_COUNT",
+    "STEP_TOKENS",
+    "Component",
+    "Composition",
+    "DataParallelLayout",
+    "ExportableModule",
+    "GenerativeModule",
+    "MeasuredModule",
+    "MegatronBuild",
+    "MegatronDims",
+    "MegatronModule",
+    "MegatronTwin",
+    "ParallelPlan",
+    "ParameterResync",
+    "PlannedModule",
+    "SeparateWeights",
+    "StateGatherer",
+    "StrategyTraits",
+    "TensorParallelLayout",
+    "TextData",
+    "TrainedParameters",
+    "TunedModule",
+    "data_parallel",
+    "deferred_pretrained",
+    "experts_apart",
+    "full_state_dict",
+    "module_weights",
+    "pretrained_deferred",
+    "tensor_parallel_size",
+    "trained_parameters",
+    "traits_of",
+]

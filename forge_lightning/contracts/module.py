@@ -1,0 +1,97 @@
+"""What strategies, callbacks and the CLI may ask of a LightningModule, and how a module's pretrained weights may be
+left for the strategy to read.
+
+Each protocol is ``runtime_checkable``: code that needs one checks ``isinstance(module, Protocol)`` and says
+what is missing, instead of probing attributes. A family's module implements the ones it supports::
+
+    PlannedModule      parallel_plan()            every strategy (components, blocks, TP plan, frozen parts)
+    MeasuredModule     batch_stats(batch)         ThroughputMonitor (samples, tokens, training FLOPs)
+    TunedModule        performance, performance_switches
+                                                  strategies apply the switches; the module applies its own
+    GenerativeModule   generate(input_ids, ...)   TextSample, GenerationMetric
+    ExportableModule   save_pretrained(path)      HFExport
+    MegatronModule     megatron_model(build)      MegatronStrategy (see contracts/megatron.py)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, runtime_checkable
+
+from torch import Tensor
+
+if TYPE_CHECKING:
+    from forge_lightning.contracts.plan import ParallelPlan
+    from forge_lightning.performance import PerformanceConfig
+
+
+@runtime_checkable
+class PlannedModule(Protocol):
+    """A module that declares its components, repeated blocks, tensor-parallel plan and frozen parts."""
+
+    def parallel_plan(self) -> ParallelPlan: ...
+
+
+@runtime_checkable
+class MeasuredModule(Protocol):
+    """A module that counts what a micro-batch holds: any of ``samples``, ``tokens`` and ``flops`` (training FLOPs,
+    forward + backward)."""
+
+    def batch_stats(self, batch: Any) -> dict[str, float]: ...
+
+
+@runtime_checkable
+class TunedModule(Protocol):
+    """A module with the run's ``performance`` section.
+
+    ``performance_switches`` names the switches the module applies itself (dotted field names of
+    :class:`~forge_lightning.performance.PerformanceConfig`, e.g. ``kernels.cross_entropy``: its loss kernel); the
+    strategy applies the others it supports, and any changed switch nobody applies is refused
+    (:func:`~forge_lightning.performance.check_applied`).
+    """
+
+    performance: PerformanceConfig
+    performance_switches: ClassVar[frozenset[str]]
+
+
+@runtime_checkable
+class GenerativeModule(Protocol):
+    """A module that continues token sequences (greedy or sampled, with a KV cache)."""
+
+    def generate(self, input_ids: Tensor, **kwargs: Any) -> Tensor: ...
+
+
+@runtime_checkable
+class ExportableModule(Protocol):
+    """A module that writes its weights in its reference format (a Hugging Face directory). Collective under a
+    strategy that shards parameters: every rank calls it."""
+
+    def save_pretrained(self, path: str | Path, dtype: Any = None, overwrite: bool = False) -> None: ...
+
+
+_DEFER_PRETRAINED: ContextVar[bool] = ContextVar("defer_pretrained", default=False)
+
+
+@contextmanager
+def deferred_pretrained() -> Iterator[None]:
+    """Within it, modules built with a ``pretrained`` directory leave the weights in the files: their native model
+    is built on the meta device, and a strategy that builds its own model from the directory (one whose
+    ``traits.reads_pretrained_shards`` is set, ``MegatronStrategy``) reads on each rank only that rank's shards.
+
+    The CLI enters it when the configured strategy reads its shards itself; a module that cannot defer (LoRA
+    adapters on the native model) loads as usual.
+    """
+    token = _DEFER_PRETRAINED.set(True)
+    try:
+        yield
+    finally:
+        _DEFER_PRETRAINED.reset(token)
+
+
+def pretrained_deferred() -> bool:
+    """Whether modules built now should leave their pretrained weights for the strategy (see
+    :func:`deferred_pretrained`)."""
+    return _DEFER_PRETRAINED.get()
