@@ -15,17 +15,16 @@ Prints one table; writes benchmarks/results/attention_fp8.json.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+import harness  # this script's directory is on sys.path
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from forge_lightning.kernels.fp8_attention import FP8AttentionScales, fp8_attention
 
-PEAK_TFLOPS = 989.0
 # name -> (batch, heads, kv_heads, seq, head_dim)
 SHAPES = {
     "llama3.2-1b": (8, 32, 8, 4096, 64),
@@ -45,19 +44,6 @@ def _inputs(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int):
         rand(kv_heads),
         torch.randn(batch, heads, seq, head_dim, device="cuda", dtype=torch.bfloat16),
     )
-
-
-def _time_ms(fn, warmup: int, reps: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
 
 
 def run_shape(name: str, warmup: int, reps: int) -> list[dict]:
@@ -80,17 +66,18 @@ def run_shape(name: str, warmup: int, reps: int) -> list[dict]:
 
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
             outputs[path] = [t.detach().float() for t in step()]
-            torch.cuda.reset_peak_memory_stats()
-            ms = _time_ms(step, warmup, reps)
+            # mean time per call of `reps` calls after `warmup`; the peak-memory counter restarts with the clock
+            seconds = harness.run_steps(lambda _, f=step: f(), range(warmup + reps), warmup, cuda=True).step_s
+        tflops = harness.tflops(flops / seconds)
         rows.append(
             {
                 "shape": name,
                 "batch_heads_kv_seq_dim": [batch, heads, kv_heads, seq, head_dim],
                 "path": path,
-                "fwd_bwd_ms": ms,
-                "tflops": flops / ms / 1e9,
-                "mfu": flops / ms / 1e9 / PEAK_TFLOPS,
-                "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9,
+                "fwd_bwd_ms": seconds * 1e3,
+                "tflops": tflops,
+                "mfu": harness.mfu(tflops),
+                "peak_mem_gb": harness.peak_memory_gb(cuda=True),
             }
         )
     base = rows[0]["fwd_bwd_ms"]
@@ -119,21 +106,19 @@ def main() -> None:
         ) as err:  # cuDNN refuses some shapes (e.g. head_dim 64 in the FP8 backward on Hopper)
             print(f"{name}: {type(err).__name__}: {err}", file=sys.stderr)
     meta = {
-        "command": "python benchmarks/attention_fp8.py " + " ".join(sys.argv[1:]),
-        "device": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
+        **harness.run_meta(__file__),
+        "device": harness.machine(cuda=True),
         "cudnn": torch.backends.cudnn.version(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
-    print("| shape | path | fwd+bwd ms | TFLOP/s | MFU | peak mem | speedup | rel err o / dq / dk / dv |")
-    print("|---|---|---|---|---|---|---|---|")
+    harness.write_json(args.out, {**meta, "results": rows})
+    columns = ["shape", "path", "fwd+bwd ms", "TFLOP/s", "MFU", "peak mem", "speedup"]
+    table = []
     for r in rows:
         errs = " / ".join(f"{r['rel_err'][t]:.3f}" for t in ("o", "dq", "dk", "dv"))
-        print(
-            f"| {r['shape']} | {r['path']} | {r['fwd_bwd_ms']:.2f} | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% "
-            f"| {r['peak_mem_gb']:.1f} GB | {r['speedup']:.2f}x | {errs} |"
-        )
+        cells = [r["shape"], r["path"], f"{r['fwd_bwd_ms']:.2f}", f"{r['tflops']:.0f}"]
+        cells += [f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_gb']:.1f} GB", f"{r['speedup']:.2f}x", errs]
+        table.append(cells)
+    print(harness.markdown_table([*columns, "rel err o / dq / dk / dv"], table))
 
 
 if __name__ == "__main__":

@@ -35,15 +35,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-import step_profile  # this script's directory is on sys.path
+import harness  # this script's directory is on sys.path
+import step_profile
 
-PEAK_TFLOPS = 989.0
 # forge path -> (strategy, strategy options, performance section)
 FORGE_PATHS: dict[str, tuple[str, dict, dict]] = {
     "forge-fsdp2": ("fsdp2", {}, {}),
@@ -93,6 +90,12 @@ def _steps(args) -> int:
     return args.loss_steps or args.warmup + args.steps + args.profile
 
 
+def _timer(args, cuda: bool) -> harness.StepTimer:
+    """Times the ``--steps`` steps after the warm-up (with ``--loss-steps``: every step after it)."""
+    timed = args.loss_steps - args.warmup if args.loss_steps else args.steps
+    return harness.StepTimer(args.warmup, timed, cuda)
+
+
 def _tokens(args, vocab: int, rank: int, world: int):
     """This rank's batches: random tokens, or with ``--loss-steps`` its share of the quick-start corpus windows."""
     import torch
@@ -106,29 +109,6 @@ def _tokens(args, vocab: int, rank: int, world: int):
     if max(int(b.max()) for b in batches) >= vocab:
         raise SystemExit(f"the corpus tokenizer's ids exceed {args.shape}'s vocab_size ({vocab})")
     return torch.stack(batches)
-
-
-class _StepTimer:
-    """Wall time of the ``timed`` steps after warm-up (all the steps after it when ``None``), measured with a
-    device sync at both ends."""
-
-    def __init__(self, warmup: int, device, timed: int | None = None) -> None:
-        self.warmup, self.device, self.timed = warmup, device, timed
-        self.start, self.end, self.steps = None, None, 0
-
-    def after_step(self, step: int) -> None:
-        import torch
-
-        if step + 1 == self.warmup:
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            self.start = time.perf_counter()
-        elif step + 1 > self.warmup and (self.timed is None or self.steps < self.timed):
-            self.steps += 1
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-            self.end = time.perf_counter()
 
 
 def _comm_bytes(strategy, params: int, world: int, steps: int) -> dict:
@@ -177,7 +157,7 @@ def _fsdp_gather_bytes(root, reshard_after_forward) -> float:
     return total
 
 
-def _run_forge(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
+def _run_forge(args, path: str, tokens) -> tuple[harness.StepTimer, list[float], dict]:
     import lightning.pytorch as pl
     import torch
 
@@ -200,8 +180,7 @@ def _run_forge(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
             module = CausalLM(**hparams)
         strategy = FSDP2Strategy(param_dtype="bf16", reduce_dtype="fp32", **options)
         precision = "32-true"
-    timed = None if args.loss_steps else args.steps
-    timer = _StepTimer(args.warmup, torch.device(args.device), timed)
+    timer = _timer(args, cuda)
     profile = args.profile if int(os.environ.get("RANK", "0")) == 0 else 0
     profiler = step_profile.StepProfiler(args.warmup + args.steps, profile, cuda)
     losses = []
@@ -209,7 +188,7 @@ def _run_forge(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
     class Timing(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(outputs["loss"].detach())
-            timer.after_step(batch_idx)
+            timer.after_step(batch_idx + 1)
             profiler.after_step(batch_idx + 1)
 
     batches = [
@@ -234,10 +213,10 @@ def _run_forge(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
     comm = _comm_bytes(strategy, params, trainer.world_size, len(batches))
     if profiler.summary:
         comm["profile"] = profiler.summary
-    return timer.end - timer.start, timer.steps, [float(x) for x in losses], comm
+    return timer, [float(x) for x in losses], comm
 
 
-def _run_hf(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
+def _run_hf(args, path: str, tokens) -> tuple[harness.StepTimer, list[float], dict]:
     import torch
     import torch.distributed as dist
     import transformers
@@ -277,7 +256,7 @@ def _run_hf(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
         # RoPE frequencies are a buffer FSDP does not manage: rebuild them on the device.
         model.model.rotary_emb = type(model.model.rotary_emb)(config=hf_config).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=args.device == "cuda")
-    timer = _StepTimer(args.warmup, device, None if args.loss_steps else args.steps)
+    timer = _timer(args, device.type == "cuda")
     losses = []
     for step, t in enumerate(tokens):
         t = t.to(device)
@@ -287,123 +266,88 @@ def _run_hf(args, path: str, tokens) -> tuple[float, int, list[float], dict]:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
-        timer.after_step(step)
-    return timer.end - timer.start, timer.steps, [float(x) for x in losses], {}
+        timer.after_step(step + 1)
+    return timer, [float(x) for x in losses], {}
 
 
 def child(args) -> None:
-    import torch
-
     from forge_lightning.modules.llm import LLMConfig, llm_flops_per_token
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     config = LLMConfig.from_preset(args.shape)
     run = _run_forge if args.child in FORGE_PATHS else _run_hf
-    try:
+    with harness.errors_reported():
         tokens = _tokens(args, config.vocab_size, rank, world)
-        elapsed, steps, losses, comm = run(args, args.child, tokens)
-    except BaseException as error:
-        print(f"ERROR {type(error).__name__}: {error}".splitlines()[0], flush=True)
-        raise
-    cuda = args.device == "cuda"
-    tokens_per_gpu = args.batch * args.seq * steps / elapsed
-    tflops = tokens_per_gpu * llm_flops_per_token(config, args.seq) / 1e12
+        timer, losses, comm = run(args, args.child, tokens)
+    tokens_per_gpu = timer.rate(args.batch * args.seq)
+    tflops = harness.tflops(tokens_per_gpu * llm_flops_per_token(config, args.seq))
     result = {
         "path": args.child,
         "gpus": world,
         "batch": args.batch,
         "tokens_per_s_per_gpu": tokens_per_gpu,
         "tflops": tflops,
-        "mfu": tflops / PEAK_TFLOPS,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
-        "step_s": elapsed / steps,
+        "mfu": harness.mfu(tflops),
+        "peak_mem_gb": harness.peak_memory_gb(args.device == "cuda"),
+        "step_s": timer.step_s,
         **comm,
     }
     if args.loss_steps:
         result.update(last20_mean_loss=sum(losses[-20:]) / len(losses[-20:]), losses=losses)
     if rank == 0:
-        print("RESULT " + json.dumps(result), flush=True)
+        harness.emit_result(result)
 
 
 # ----- parent: one torchrun per (path, GPU count) --------------------------------------------------------
-def communicate(proc: subprocess.Popen, timeout: float) -> tuple[str, str]:
-    """Output of a launch started with ``start_new_session=True``; past ``timeout`` its whole group is stopped."""
-    try:
-        return proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        # torchrun stops its ranks (each in a session of its own) on SIGTERM; SIGKILL what is left after that.
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            stdout, stderr = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
-        return stdout, stderr + f"\nERROR launch killed after {timeout:.0f} s (--launch-timeout)"
+# The error of a launch stopped at --launch-timeout (megatron_throughput.py's launches too).
+LAUNCH_TIMEOUT = "launch killed after {:.0f} s (--launch-timeout)"
 
 
 def _launch(args, spec: str, gpus: int) -> dict:
     path, batch = split_path(spec)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={gpus}"]
-    cmd += [__file__, *sys.argv[1:], "--child", path, "--batch", str(batch or args.batch)]
+    child_args = [*sys.argv[1:], "--child", path, "--batch", str(batch or args.batch)]
+    cmd = harness.torchrun(gpus, __file__, child_args)
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    started = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    stdout, stderr = communicate(proc, args.launch_timeout)
+    run = harness.run_child(cmd, env, args.launch_timeout, LAUNCH_TIMEOUT)
     if args.log_dir:
         log = Path(args.log_dir) / f"fsdp_{spec.replace('@', '_mb')}_{gpus}gpu.log"
-        log.write_text(stdout + stderr)
-    print(f"{spec} on {gpus} GPU(s): {time.perf_counter() - started:.0f} s", flush=True)
-    for line in stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT "))
-    tail = (stdout + stderr).strip()
-    print(tail[-3000:], file=sys.stderr)
-    errors = [
-        line.removeprefix("ERROR ") for line in (stdout + stderr).splitlines() if line.startswith("ERROR ")
-    ]
-    error = errors[0] if errors else (tail.splitlines()[-1] if tail else f"exit {proc.returncode}")
-    return {"path": path, "gpus": gpus, "batch": batch or args.batch, "error": error}
+        log.write_text(run.stdout + run.stderr)
+    print(f"{spec} on {gpus} GPU(s): {run.seconds:.0f} s", flush=True)
+    return run.result() or {"path": path, "gpus": gpus, "batch": batch or args.batch, "error": run.failure()}
 
 
 def _table(results: list[dict], loss: bool) -> str:
     one_gpu = {(r["path"], r["batch"]): r for r in results if r.get("gpus") == 1 and "error" not in r}
-    best_hf = max(
-        (r["tokens_per_s_per_gpu"] for r in results if r["path"] in HF_PATHS and "error" not in r),
-        default=None,
-    )
+    best_hf = harness.best(results, "tokens_per_s_per_gpu", lambda r: r["path"] in HF_PATHS)
     by_path = {(r["path"], r["gpus"]): r for r in results if "error" not in r}
-    head = "| path | GPUs | micro-batch | tokens/s/GPU | TFLOP/s | MFU | peak mem | step | param comm/step | grad comm/step |"
-    head += " last-20 loss | vs exact |" if loss else " scaling vs 1 GPU | vs best hf |"
-    lines = [head, "|---" * head.count(" | ") + "|"]
+    columns = ["path", "GPUs", "micro-batch", "tokens/s/GPU", "TFLOP/s", "MFU", "peak mem", "step"]
+    columns += ["param comm/step", "grad comm/step"]
+    columns += ["last-20 loss", "vs exact"] if loss else ["scaling vs 1 GPU", "vs best hf"]
+    rows = []
     for r in results:
         if "error" in r:
-            lines.append(
-                f"| {r['path']} | {r['gpus']} | {r.get('batch', '-')} | failed: {r['error'][:100]} |"
-            )
+            rows.append([r["path"], r["gpus"], r.get("batch", "-"), harness.failed(r["error"])])
             continue
-        row = (
-            f"| {r['path']} | {r['gpus']} | {r['batch']} | {r['tokens_per_s_per_gpu']:,.0f} | {r['tflops']:.0f} | "
-            f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} GB | {r['step_s'] * 1e3:.0f} ms | "
-        )
-        row += " | ".join(
+        row = [r["path"], r["gpus"], r["batch"], f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['tflops']:.0f}"]
+        row += [f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_gb']:.1f} GB", f"{r['step_s'] * 1e3:.0f} ms"]
+        row += [
             f"{r[key] / 1e9:.2f} GB" if key in r else "-"
             for key in ("param_bytes_per_step", "grad_bytes_per_step")
-        )
+        ]
         if loss:
-            twin = by_path.get((EXACT_TWIN.get(r["path"], r["path"]), r["gpus"]))
-            vs = f"{100 * (r['last20_mean_loss'] / twin['last20_mean_loss'] - 1):+.2f}%" if twin else "-"
-            row += f" | {r['last20_mean_loss']:.4f} | {vs} |"
+            twin = by_path.get((EXACT_TWIN.get(r["path"], r["path"]), r["gpus"]), {})
+            row += [
+                f"{r['last20_mean_loss']:.4f}",
+                harness.change(r["last20_mean_loss"], twin.get("last20_mean_loss")),
+            ]
         else:
             base = one_gpu.get((r["path"], r["batch"]))
             scaling = (
                 f"{100 * r['tokens_per_s_per_gpu'] / base['tokens_per_s_per_gpu']:.1f}%" if base else "-"
             )
-            vs = f"{r['tokens_per_s_per_gpu'] / best_hf:.2f}x" if best_hf else "-"
-            row += f" | {scaling} | {vs} |"
-        lines.append(row)
-    return "\n".join(lines)
+            row += [scaling, harness.ratio(r["tokens_per_s_per_gpu"], best_hf)]
+        rows.append(row)
+    return harness.markdown_table(columns, rows)
 
 
 def main() -> None:
@@ -457,19 +401,15 @@ def main() -> None:
         args.out
         or Path(__file__).parent / "results" / f"fsdp_throughput_{args.shape}_{args.seq}{suffix}.json"
     )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = {"gpu": gpu, "torch": torch.__version__, "argv": sys.argv[1:]}
+    gpu = harness.machine(args.device == "cuda")
+    meta = {"gpu": gpu, **harness.run_meta(__file__)}
     results = []
     for gpus in sorted(args.gpus):
         for spec in args.paths:
             results.append(_launch(args, spec, gpus))
             print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
-            out.write_text(
-                json.dumps({"meta": meta, "results": results}, indent=2) + "\n"
-            )  # kept if cut short
+            # after every launch: kept if the run is cut short
+            harness.write_json(out, {"meta": meta, "results": results})
     what = (
         f"{args.loss_steps} steps on the quick-start corpus"
         if args.loss_steps

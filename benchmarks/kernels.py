@@ -21,16 +21,15 @@ Check the script's logic on a CPU (tiny shapes, every column runs the torch refe
 from __future__ import annotations
 
 import argparse
-import json
-import platform
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, also when a test imports this file
+import harness
 
 from forge_lightning import kernels
 from forge_lightning.kernels.cross_entropy import linear_cross_entropy_unfused
@@ -202,34 +201,24 @@ def fp8_cases(size: str, device: str, triton_backend: str, compile_enabled: bool
 def measure(fn: Callable, device: str, warmup: int, reps: int) -> tuple[dict, object]:
     """Times ``fn``: median wall ms per call, GPU kernel ms per call and peak extra MiB (CUDA only).
 
-    Wall time (CUDA events around each call) includes any gap where the GPU waits for Python and kernel
-    launches; GPU time (the profiler's kernel durations) is what the call costs when, as in a training
-    step, other work hides that overhead. Also returns the first call's output.
+    Wall time (:class:`harness.StepTimer`: CUDA events between calls) includes any gap where the GPU waits for
+    Python and kernel launches; GPU time (the profiler's kernel durations) is what the call costs when, as in a
+    training step, other work hides that overhead. Also returns the last warm-up call's output.
     """
     out = None
     for _ in range(warmup):
         out = fn()
-    if device != "cuda":
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - start) * 1e3)
-        return {"ms": statistics.median(times), "gpu_ms": None, "peak_mib": None}, out
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    fn()
-    torch.cuda.synchronize()
-    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
-    events = [[torch.cuda.Event(enable_timing=True) for _ in range(2)] for _ in range(reps)]
-    for start, end in events:
-        start.record()
+    cuda = device == "cuda"
+    peak = None
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
         fn()
-        end.record()
-    torch.cuda.synchronize()
-    wall = statistics.median(s.elapsed_time(e) for s, e in events)
-    return {"ms": wall, "gpu_ms": gpu_kernel_ms(fn, min(reps, 10)), "peak_mib": peak}, out
+        torch.cuda.synchronize()
+        peak = (harness.peak_memory_bytes(cuda) - base) / 2**20
+    wall = harness.run_steps(lambda _: fn(), range(reps), 0, cuda).median_step_s * 1e3
+    return {"ms": wall, "gpu_ms": gpu_kernel_ms(fn, min(reps, 10)) if cuda else None, "peak_mib": peak}, out
 
 
 def gpu_kernel_ms(fn: Callable, reps: int) -> float:
@@ -277,27 +266,21 @@ def fmt(value: float | None, spec: str) -> str:
     return "n/a" if value is None else format(value, spec)
 
 
-def ratio(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
 def print_table(rows: list[dict]) -> None:
     """One line per row; speedups use GPU kernel time where measured, wall time otherwise."""
-    header = (
-        f"{'kernel':34} {'shape':24} {'dtype':13} {'GPU ms triton/torch/compiled':>30} {'x torch':>8} "
-        f"{'x comp.':>8} {'wall ms triton/torch/compiled':>30} {'peak MiB t/t/c':>18} {'max diff':>9}"
-    )
-    print(header)
-    print("-" * len(header))
+    columns = ["kernel", "shape", "dtype", "GPU ms triton/torch/compiled", "x torch", "x comp."]
+    columns += ["wall ms triton/torch/compiled", "peak MiB t/t/c", "max diff"]
+    lines = []
     for r in rows:
         gpu = "/".join(fmt(r[f"{n}_gpu_ms"], ".3f") for n in IMPLS)
         wall = "/".join(fmt(r[f"{n}_ms"], ".3f") for n in IMPLS)
         peaks = "/".join(fmt(r[f"{n}_peak_mib"], ".0f") for n in IMPLS)
         key = "gpu_" if r["triton_gpu_ms"] is not None else ""
-        print(
-            f"{r['kernel']:34} {r['shape']:24} {r['dtype']:13} {gpu:>30} {ratio(r[f'speedup_{key}vs_torch']):>8} "
-            f"{ratio(r[f'speedup_{key}vs_compiled']):>8} {wall:>30} {peaks:>18} {fmt(r['max_rel_diff'], '.2e'):>9}"
-        )
+        ours = r[f"triton_{key}ms"]
+        speedups = [harness.ratio(r[f"{n}_{key}ms"], ours) for n in ("torch", "compiled")]
+        diff = fmt(r["max_rel_diff"], ".2e")
+        lines.append([r["kernel"], r["shape"], r["dtype"], gpu, *speedups, wall, peaks, diff])
+    print(harness.markdown_table(columns, lines))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -330,14 +313,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"done: {case.kernel}", file=sys.stderr, flush=True)
     output = args.output or (None if args.dry_run else DEFAULT_OUTPUT)
     if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
         meta = {
-            "command": "python benchmarks/kernels.py " + " ".join(argv if argv is not None else sys.argv[1:]),
-            "device": torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu",
-            "torch": torch.__version__,
+            **harness.run_meta(__file__, argv),
+            "device": harness.machine(device == "cuda"),
             "triton": _triton_version(),
         }
-        output.write_text(json.dumps({**meta, "results": rows}, indent=2) + "\n")
+        harness.write_json(output, {**meta, "results": rows})
     print_table(rows)
     return rows
 

@@ -25,13 +25,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-PEAK_TFLOPS = 989.0
+import harness  # this script's directory is on sys.path
+
 FORGE_PATHS = {
     # name: PerformanceConfig overrides (everything else "auto": compile, cuDNN attention, Triton loss)
     "forge": {},
@@ -169,21 +167,9 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
             scheduler.step()
         losses.append(loss.detach())
 
-    warmup = min(args.warmup, count - 1)
-    for tokens in batches[:warmup]:
-        step(tokens)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    sync()
-    if cuda:
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for tokens in batches[warmup:]:
-        step(tokens)
-    sync()
-    elapsed = time.perf_counter() - start
-    timed = count - warmup
-    tokens_per_s = args.batch * args.seq * timed / elapsed
-    tflops = tokens_per_s * llm_flops_per_token(config, args.seq) / 1e12
+    timer = harness.run_steps(step, batches, min(args.warmup, count - 1), cuda)
+    tokens_per_s = timer.rate(args.batch * args.seq)
+    tflops = harness.tflops(tokens_per_s * llm_flops_per_token(config, args.seq))
     loss_values = [float(x) for x in losses]
     return {
         "path": path,
@@ -193,9 +179,9 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
         "precision": args.precision,
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
-        "mfu": tflops / PEAK_TFLOPS,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0,
-        "step_s": elapsed / timed,
+        "mfu": harness.mfu(tflops),
+        "peak_mem_gb": harness.peak_memory_gb(cuda),
+        "step_s": timer.step_s,
         "final_loss": loss_values[-1],
         "last20_mean_loss": sum(loss_values[-20:]) / len(loss_values[-20:]),
         "losses": loss_values if args.loss_steps else None,
@@ -203,36 +189,27 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
 
 
 def _child(args: argparse.Namespace, path: str) -> dict:
-    cmd = [sys.executable, __file__, "--child", path, *sys.argv[1:]]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT "))
-    tail = (proc.stdout + proc.stderr).strip()
-    print(tail[-3000:], file=sys.stderr)
-    last = tail.splitlines()[-1] if tail else f"exit {proc.returncode}"
-    return {"path": path, "error": last}
+    run = harness.run_child([sys.executable, __file__, "--child", path, *sys.argv[1:]])
+    return run.result() or {"path": path, "error": run.failure()}
 
 
 def _table(results: list[dict], reference: str, loss: bool) -> str:
-    ref = next((r for r in results if r["path"] == reference and "error" not in r), None)
-    head = "| path | batch | tokens/s | TFLOP/s | MFU | peak mem | step | vs " + reference + " |"
-    head += " last-20 loss | vs ref loss |" if loss else ""
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    ref = harness.reference_row(results, lambda r: r["path"] == reference) or {}
+    columns = ["path", "batch", "tokens/s", "TFLOP/s", "MFU", "peak mem", "step", f"vs {reference}"]
+    columns += ["last-20 loss", "vs ref loss"] if loss else []
+    rows = []
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['path']} | failed: {r['error'][:100]} |")
+            rows.append([r["path"], harness.failed(r["error"])])
             continue
-        ratio = f"{r['tokens_per_s'] / ref['tokens_per_s']:.2f}x" if ref else "-"
-        line = (
-            f"| {r['path']} | {r['batch']} | {r['tokens_per_s'] / 1e3:.1f}k | {r['tflops']:.0f} | "
-            f"{100 * r['mfu']:.1f}% | {r['peak_mem_gb']:.1f} GB | {r['step_s'] * 1e3:.0f} ms | {ratio} |"
-        )
+        row = [r["path"], r["batch"], f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['tflops']:.0f}"]
+        row += [f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_gb']:.1f} GB", f"{r['step_s'] * 1e3:.0f} ms"]
+        row.append(harness.ratio(r["tokens_per_s"], ref.get("tokens_per_s")))
         if loss:
-            delta = f"{100 * (r['last20_mean_loss'] / ref['last20_mean_loss'] - 1):+.2f}%" if ref else "-"
-            line += f" {r['last20_mean_loss']:.4f} | {delta} |"
-        lines.append(line)
-    return "\n".join(lines)
+            loss_ref = ref.get("last20_mean_loss")
+            row += [f"{r['last20_mean_loss']:.4f}", harness.change(r["last20_mean_loss"], loss_ref)]
+        rows.append(row)
+    return harness.markdown_table(columns, rows)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -262,7 +239,7 @@ def main() -> None:
     overrides = dict(item.split("=") for item in args.batches.split(",")) if args.batches else {}
     if args.child:
         args.batch = int(overrides.get(args.child, args.batch))
-        print("RESULT " + json.dumps(run_path(args, args.child)), flush=True)
+        harness.emit_result(run_path(args, args.child))
         return
     results = []
     for path in args.paths:
@@ -272,12 +249,9 @@ def main() -> None:
     suffix = "_loss" if args.loss_steps else ("" if args.precision == "bf16" else f"_{args.precision}")
     name = f"llm_throughput_{args.shape}_{args.seq}{suffix}.json"
     out = Path(args.out or Path(__file__).parent / "results" / name)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    import torch
-
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = {"gpu": gpu, "torch": torch.__version__, "argv": sys.argv[1:]}
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    gpu = harness.machine(args.device == "cuda")
+    meta = {"gpu": gpu, **harness.run_meta(__file__)}
+    harness.write_json(out, {"meta": meta, "results": results})
     what = f"{args.loss_steps} steps on real text" if args.loss_steps else f"{args.steps} timed steps"
     print(f"\n{args.shape}, seq {args.seq}, {args.precision}, {what}, {gpu}, torch {meta['torch']}")
     print(_table(results, args.reference or args.paths[0], loss=bool(args.loss_steps)))

@@ -35,9 +35,11 @@ is per data-parallel rank (``--batch`` unless ``@N``), so tokens per step = micr
         forge-fsdp2:dp2@4 forge-megatron-moe:dp2@2 forge-megatron-moe:ep2@2
     # one table of both machines' JSON files (no launch)
     python benchmarks/megatron_throughput.py --merge RESULTS_1GPU.json RESULTS_2GPU.json
-    # script check on a CPU (tiny models, gloo, the test-only CUDA shim)
-    python benchmarks/megatron_throughput.py --device cpu --model debug --moe-model debug-moe --seq 64 \\
-        --batch 2 --warmup 2 --steps 3 --paths forge-megatron forge-megatron:tp2 ...
+    # script check on a CPU (tiny models, gloo). megatron-core hard-codes CUDA calls: the test suite's CPU shim
+    # maps them to the CPU, installed by tests/megatron/cpu_site/sitecustomize.py in every process of the run
+    # that imports megatron-core (this script imports nothing from tests/)
+    PYTHONPATH=tests/megatron/cpu_site python benchmarks/megatron_throughput.py --device cpu --model debug \\
+        --moe-model debug-moe --seq 64 --batch 2 --warmup 2 --steps 3 --paths forge-megatron forge-megatron:tp2 ...
 
 Prints one table last (tokens/s and per GPU, TFLOP/s per GPU, MFU against 989, peak memory over the ranks,
 step time, ratios against forge-fsdp2 on as many GPUs and megatron-local at the same layout, MoE: against EP = 1
@@ -52,16 +54,14 @@ import dataclasses
 import json
 import os
 import re
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # fsdp_throughput (and its llm_throughput import)
 import fsdp_throughput as fsdp
+import harness
 import step_profile
 
-PEAK_TFLOPS = fsdp.PEAK_TFLOPS
 _OVERLAP = {"use_distributed_optimizer": True, "overlap_grad_reduce": True, "overlap_param_gather": True}
 # path -> (runner, trains the --moe-model, MegatronStrategy / megatron-core DDP + optimizer options)
 PATHS: dict[str, tuple[str, bool, dict]] = {
@@ -254,7 +254,7 @@ def _run_forge_megatron(args, layout: Layout, options: dict, config, tokens) -> 
         expert_model_parallel_size=layout.ep,
         **options,
     )
-    timer = fsdp._StepTimer(args.warmup, torch.device(args.device))
+    timer = harness.StepTimer(args.warmup, args.steps, args.device == "cuda")
     profiler = _profiler(args)
     load = _ExpertLoad() if config.moe is not None else None
     summary: dict = {}
@@ -263,7 +263,7 @@ def _run_forge_megatron(args, layout: Layout, options: dict, config, tokens) -> 
     class Timing(pl.Callback):
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             losses.append(outputs["loss"].detach())
-            timer.after_step(batch_idx)
+            timer.after_step(batch_idx + 1)
             profiler.after_step(batch_idx + 1)
             if load is not None and batch_idx == 0:
                 load.after_first_step()
@@ -287,7 +287,7 @@ def _run_forge_megatron(args, layout: Layout, options: dict, config, tokens) -> 
         use_distributed_sampler=False,  # each data-parallel rank brings its own tokens (TP ranks the same ones)
     )
     trainer.fit(module, train_dataloaders=torch.utils.data.DataLoader(batches, batch_size=None))
-    out = {"elapsed": timer.end - timer.start, "steps": timer.steps, "losses": losses, **summary}
+    out = {"timer": timer, "losses": losses, **summary}
     return out | ({"profile": profiler.summary} if profiler.summary else {})
 
 
@@ -433,7 +433,7 @@ def _run_megatron_local(args, layout: Layout, options: dict, config, tokens) -> 
     model_parallel_cuda_manual_seed(0)
     model, optimizer = _local_model_and_optimizer(config, layout, options, args, device)
     forward_backward = get_forward_backward_func()
-    timer = fsdp._StepTimer(args.warmup, device)
+    timer = harness.StepTimer(args.warmup, args.steps, cuda)
     profiler = _profiler(args)
     losses = []
     for step, t in enumerate(tokens):
@@ -451,16 +451,16 @@ def _run_megatron_local(args, layout: Layout, options: dict, config, tokens) -> 
         )
         optimizer.step()
         losses += [r["loss"] for r in reduced]  # this rank's micro-batch
-        timer.after_step(step)
+        timer.after_step(step + 1)
         profiler.after_step(step + 1)
     parallel_state.destroy_model_parallel()
-    out = {"elapsed": timer.end - timer.start, "steps": timer.steps, "losses": losses}
+    out = {"timer": timer, "losses": losses}
     return out | ({"profile": profiler.summary} if profiler.summary else {})
 
 
 def _run_fsdp2(args, layout: Layout, options: dict, config, tokens) -> dict:
-    elapsed, steps, losses, _ = fsdp._run_forge(_fsdp_args(args), "forge-fsdp2", tokens)
-    return {"elapsed": elapsed, "steps": steps, "losses": losses}
+    timer, losses, _ = fsdp._run_forge(_fsdp_args(args), "forge-fsdp2", tokens)
+    return {"timer": timer, "losses": losses}
 
 
 def _fsdp_args(args) -> argparse.Namespace:
@@ -479,50 +479,26 @@ def _fsdp_args(args) -> argparse.Namespace:
     )
 
 
-def _install_cpu_shim() -> None:
-    """CPU dry run only: megatron-core hard-codes CUDA (current device, CUDA RNG, streams, ``param.type()``);
-    the test suite's shim (tests/megatron/cuda_shim.py) maps those calls to the CPU. Never used on a GPU."""
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "megatron"))
-    import cuda_shim
-
-    cuda_shim.install()
-
-
-def _peak_memory_gb(device: str) -> float:
-    import resource
-
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.max_memory_allocated() / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # CPU: the process's resident peak (KiB)
-
-
 def child(args) -> None:
     from forge_lightning.modules.llm import llm_flops_per_token
 
     runner, moe, options = PATHS[args.child]
-    if args.device == "cpu" and runner != "fsdp2":
-        _install_cpu_shim()
     layout = parse_layout(args.layout)
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     assert world == layout.gpus, f"launched {world} processes for layout {args.layout}"
     config = model_config(args.moe_model if moe else args.model)
     run = {"forge": _run_forge_megatron, "local": _run_megatron_local, "fsdp2": _run_fsdp2}[runner]
-    try:
+    with harness.errors_reported():
         # Seeded per data-parallel rank (megatron's rank order puts the TP ranks of one replica next to each other).
         tokens = fsdp._tokens(_fsdp_args(args), config.vocab_size, rank // layout.tp, layout.dp)
         out = run(args, layout, options, config, tokens)
-    except BaseException as error:
-        _emit(f"ERROR {type(error).__name__}: {error}".splitlines()[0])
-        raise
-    _emit(f"RANKMEM {_peak_memory_gb(args.device):.3f}")
+    harness.emit(f"RANKMEM {harness.peak_memory_gb(args.device == 'cuda'):.3f}")
     if rank:
         return
-    elapsed, steps = out.pop("elapsed"), out.pop("steps")
+    timer = out.pop("timer")
     losses = [float(x) for x in out.pop("losses")]  # a sanity check: every path starts near ln(vocab)
-    tokens_per_s = args.batch * args.seq * layout.dp * steps / elapsed
-    tflops = tokens_per_s / world * llm_flops_per_token(config, args.seq) / 1e12
+    tokens_per_s = timer.rate(args.batch * args.seq * layout.dp)
+    tflops = harness.tflops(tokens_per_s / world * llm_flops_per_token(config, args.seq))
     result = {
         "path": args.child,
         "layout": args.layout,
@@ -534,20 +510,13 @@ def child(args) -> None:
         "tokens_per_s": tokens_per_s,
         "tokens_per_s_per_gpu": tokens_per_s / world,
         "tflops": tflops,
-        "mfu": tflops / PEAK_TFLOPS,
-        "step_s": elapsed / steps,
+        "mfu": harness.mfu(tflops),
+        "step_s": timer.step_s,
         "first_loss": losses[0],
         "last_loss": losses[-1],
         **out,
     }
-    _emit("RESULT " + json.dumps(result))
-
-
-def _emit(line: str) -> None:
-    """One line in one write: the ranks share torchrun's stdout pipe, and ``print`` may split text and newline
-    into two writes that another rank's line lands between (a write of under 4 KiB to a pipe is atomic)."""
-    sys.stdout.flush()
-    os.write(sys.stdout.fileno(), (line + "\n").encode())
+    harness.emit_result(result)
 
 
 # ----- parent: one torchrun per path ----------------------------------------------------------------------
@@ -562,33 +531,20 @@ def _child_env(args, gpus: int) -> dict:
 def _launch(args, spec: str) -> dict:
     path, layout_text, layout, batch = split_spec(spec)
     batch = batch or args.batch
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={layout.gpus}"]
-    cmd += [__file__, *sys.argv[1:], "--child", path, "--layout", layout_text, "--batch", str(batch)]
-    started = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_child_env(args, layout.gpus),
-        start_new_session=True,
-    )
-    stdout, stderr = fsdp.communicate(proc, args.launch_timeout)
-    launch_s = time.perf_counter() - started
+    child_args = [*sys.argv[1:], "--child", path, "--layout", layout_text, "--batch", str(batch)]
+    cmd = harness.torchrun(layout.gpus, __file__, child_args)
+    run = harness.run_child(cmd, _child_env(args, layout.gpus), args.launch_timeout, fsdp.LAUNCH_TIMEOUT)
+    launch_s = run.seconds
     if args.log_dir:
-        (Path(args.log_dir) / f"megatron_{path}_{layout_text}_mb{batch}.log").write_text(stdout + stderr)
+        log = Path(args.log_dir) / f"megatron_{path}_{layout_text}_mb{batch}.log"
+        log.write_text(run.stdout + run.stderr)
     print(f"{spec}: {launch_s:.0f} s", flush=True)
     # Searched anywhere in a line: another rank's unterminated output may precede a line this script wrote.
-    peaks = [float(m) for m in re.findall(r"RANKMEM ([0-9.]+)$", stdout, flags=re.MULTILINE)]
-    found = re.findall(r"RESULT (\{.*\})$", stdout, flags=re.MULTILINE)
-    if found and peaks:
-        return {**json.loads(found[0]), "peak_mem_gb": max(peaks), "launch_s": launch_s}
-    tail = (stdout + stderr).strip()
-    print(tail[-3000:], file=sys.stderr)
-    errors = [
-        line.removeprefix("ERROR ") for line in (stdout + stderr).splitlines() if line.startswith("ERROR ")
-    ]
-    error = errors[0] if errors else (tail.splitlines()[-1] if tail else f"exit {proc.returncode}")
+    peaks = [float(m) for m in re.findall(r"RANKMEM ([0-9.]+)$", run.stdout, flags=re.MULTILINE)]
+    result = run.result()
+    if result and peaks:
+        return {**result, "peak_mem_gb": max(peaks), "launch_s": launch_s}
+    error = run.failure()
     runner = PATHS[path][0]
     return {"path": path, "layout": layout_text, "label": layout.label(runner), "gpus": layout.gpus,
             **dataclasses.asdict(layout), "batch": batch, "error": error, "launch_s": launch_s}  # fmt: skip
@@ -596,12 +552,7 @@ def _launch(args, spec: str) -> dict:
 
 def _best(results: list[dict], keep) -> float | None:
     """The highest tokens/s/GPU among the successful rows ``keep`` accepts."""
-    values = [r["tokens_per_s_per_gpu"] for r in results if "error" not in r and keep(r)]
-    return max(values, default=None)
-
-
-def _ratio(value: float, reference: float | None) -> str:
-    return f"{value / reference:.2f}x" if reference else "-"
+    return harness.best(results, "tokens_per_s_per_gpu", keep)
 
 
 def _ratios(r: dict, results: list[dict]) -> tuple[str, str, str]:
@@ -616,38 +567,34 @@ def _ratios(r: dict, results: list[dict]) -> tuple[str, str, str]:
         results, lambda o: PATHS[o["path"]][1] and (o["tp"], o["dp"], o["ep"]) == (r["tp"], r["dp"], 1)
     )
     dense_megatron = not is_moe and r["path"] != "forge-fsdp2"
+    vs_local = dense_megatron and not r["path"].startswith("megatron-local")
     return (
-        _ratio(value, fsdp_ref) if dense_megatron else "-",
-        _ratio(value, local_ref) if dense_megatron and not r["path"].startswith("megatron-local") else "-",
-        _ratio(value, ep1_ref) if is_moe and r["ep"] > 1 else "-",
+        harness.ratio(value, fsdp_ref) if dense_megatron else "-",
+        harness.ratio(value, local_ref) if vs_local else "-",
+        harness.ratio(value, ep1_ref) if is_moe and r["ep"] > 1 else "-",
     )
 
 
 def _table(results: list[dict]) -> str:
     moe = any(PATHS[r["path"]][1] for r in results)
-    head = (
-        "| path | layout | GPUs | micro-batch | tokens/s | tokens/s/GPU | TFLOP/s/GPU | MFU | peak mem | step |"
-        " vs forge-fsdp2 | vs megatron-local |"
-    )
-    head += " vs EP=1 | expert load max/mean |" if moe else ""
-    lines = [head, "|---" * (head.count("|") - 1) + "|"]
+    columns = ["path", "layout", "GPUs", "micro-batch", "tokens/s", "tokens/s/GPU", "TFLOP/s/GPU", "MFU"]
+    columns += ["peak mem", "step", "vs forge-fsdp2", "vs megatron-local"]
+    columns += ["vs EP=1", "expert load max/mean"] if moe else []
+    rows = []
     for r in results:
         if "error" in r:
-            lines.append(
-                f"| {r['path']} | {r['label']} | {r['gpus']} | {r['batch']} | failed: {r['error'][:100]} |"
-            )
+            rows.append([r["path"], r["label"], r["gpus"], r["batch"], harness.failed(r["error"])])
             continue
         vs_fsdp, vs_local, vs_ep1 = _ratios(r, results)
-        row = (
-            f"| {r['path']} | {r['label']} | {r['gpus']} | {r['batch']} | {r['tokens_per_s']:,.0f} | "
-            f"{r['tokens_per_s_per_gpu']:,.0f} | {r['tflops']:.{0 if r['tflops'] >= 10 else 4}f} | {100 * r['mfu']:.1f}% | "
-            f"{r['peak_mem_gb']:.1f} GB | {r['step_s'] * 1e3:.0f} ms | {vs_fsdp} | {vs_local} |"
-        )
+        row = [r["path"], r["label"], r["gpus"], r["batch"], f"{r['tokens_per_s']:,.0f}"]
+        row += [f"{r['tokens_per_s_per_gpu']:,.0f}", f"{r['tflops']:.{0 if r['tflops'] >= 10 else 4}f}"]
+        row += [f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_gb']:.1f} GB", f"{r['step_s'] * 1e3:.0f} ms"]
+        row += [vs_fsdp, vs_local]
         if moe:
             load = f"{r['expert_load_max_over_mean']:.3f}" if "expert_load_max_over_mean" in r else "-"
-            row += f" {vs_ep1} | {load} |"
-        lines.append(row)
-    return "\n".join(lines)
+            row += [vs_ep1, load]
+        rows.append(row)
+    return harness.markdown_table(columns, rows)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -742,31 +689,26 @@ def main() -> None:
     suffix = "_cpu" if args.device == "cpu" else ""
     name = f"megatron_throughput_{args.model}_{args.seq}_{gpus}gpu{suffix}.json"
     out = Path(args.out or Path(__file__).parent / "results" / name)
-    out.parent.mkdir(parents=True, exist_ok=True)
     import megatron.core
-    import torch
 
     models = {args.model: describe(model_config(args.model))}
     if any(PATHS[path][1] for path, *_ in specs):
         models[args.moe_model] = describe(model_config(args.moe_model))
     meta = {
-        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-        "torch": torch.__version__,
+        "gpu": harness.machine(args.device == "cuda"),
+        **harness.run_meta(__file__),
         "megatron_core": megatron.core.__version__,
         "seq": args.seq,
         "warmup": args.warmup,
         "steps": args.steps,
         "models": models,
-        "argv": sys.argv[1:],
     }
     results = []
     for spec in args.paths:
         results.append(_launch(args, spec))
         print(json.dumps(results[-1]), flush=True)
         record = {"meta": meta, "merged": metas, "results": earlier + results}
-        out.write_text(
-            json.dumps(record, indent=2) + "\n"
-        )  # after every launch: kept if the run is cut short
+        harness.write_json(out, record)  # after every launch: kept if the run is cut short
     _report([*metas, meta], earlier + results)
 
 

@@ -25,13 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
-import subprocess
 import sys
 import time
 from pathlib import Path
 
-PEAK_TFLOPS = 989.0
+import harness  # this script's directory is on sys.path
+
 PATHS = (
     "padded",
     "packed-flex",
@@ -159,24 +158,14 @@ def run_path(path: str, args: argparse.Namespace) -> dict:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
-    sync = torch.cuda.synchronize if device == "cuda" else lambda: None
-    for batch, _ in batches[: args.warmup]:
-        step(batch)
-    sync()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    for batch, _ in batches[args.warmup :]:
-        step(batch)
-    sync()
-    elapsed = time.perf_counter() - start
+    timer = harness.run_steps(lambda b: step(b[0]), batches, args.warmup, device == "cuda")
 
     timed = batches[args.warmup :]
     real = sum(sum(docs) for _, docs in timed)
     total = sum(b["input_ids"].numel() for b, _ in timed)
     dense_per_token = llm_flops_per_token(config, args.seq) - attention_flops_per_token(config, [args.seq])
     flops = sum((dense_per_token + attention_flops_per_token(config, docs)) * sum(docs) for _, docs in timed)
-    tflops = flops / elapsed / 1e12
+    tflops = harness.tflops(flops / timer.elapsed_s)
     return {
         "path": path,
         "attention": ("sdpa (causal)" if not packed else backend)
@@ -189,11 +178,11 @@ def run_path(path: str, args: argparse.Namespace) -> dict:
         "samples_per_step": sum(len(docs) for _, docs in timed) / len(timed),
         "real_tokens_per_step": real / len(timed),
         "padding_fraction": 1 - real / total,
-        "real_tokens_per_s": real / elapsed,
+        "real_tokens_per_s": real / timer.elapsed_s,
         "tflops": tflops,
-        "mfu": tflops / PEAK_TFLOPS,
-        "peak_mem_gb": torch.cuda.max_memory_allocated() / 1e9 if device == "cuda" else None,
-        "step_s": elapsed / len(timed),
+        "mfu": harness.mfu(tflops),
+        "peak_mem_gb": harness.peak_memory_gb(device == "cuda"),
+        "step_s": timer.step_s,
         "final_loss": float(losses[-1]),
     }
 
@@ -203,42 +192,29 @@ def _child(args: argparse.Namespace, path: str, timeout: float | None) -> dict:
     for key in ("shape", "seq", "batch", "steps", "warmup", "pad_to", "median", "sigma", "min_len", "seed"):
         cmd += [f"--{key.replace('_', '-')}", str(getattr(args, key))]
     cmd += ["--dry-run"] if args.dry_run else []
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return {"path": path, "error": f"stopped after {timeout:.0f} s (time budget)"}
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT "))
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    print(tail, file=sys.stderr, flush=True)
-    lines = [line for line in tail.strip().splitlines() if line.strip()]
-    return {"path": path, "error": lines[-1] if lines else f"exit {proc.returncode}"}
+    run = harness.run_child(cmd, timeout=timeout, timeout_message="stopped after {:.0f} s (time budget)")
+    return run.result() or {"path": path, "error": run.failure()}
 
 
-def _reference(results: list[dict], path: str) -> dict | None:
+def _reference(results: list[dict], path: str) -> dict:
+    """The padded row a path is compared with (``{}`` if it failed or did not run)."""
     want = "padded-compile" if path.endswith("-compile") else "padded"
-    return next((r for r in results if r["path"] == want and "error" not in r), None)
+    return harness.reference_row(results, lambda r: r["path"] == want) or {}
 
 
 def _table(results: list[dict]) -> str:
-    lines = [
-        "| path | attention | padding | real tokens/s | TFLOP/s | MFU | peak mem | step | vs padded |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    columns = ["path", "attention", "padding", "real tokens/s", "TFLOP/s", "MFU", "peak mem", "step"]
+    rows = []
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['path']} | failed: {r['error'][:100]} | | | | | | | |")
+            rows.append([r["path"], harness.failed(r["error"])])
             continue
-        ref = _reference(results, r["path"])
-        ratio = f"{r['real_tokens_per_s'] / ref['real_tokens_per_s']:.2f}x" if ref else "-"
-        mem = f"{r['peak_mem_gb']:.1f} GB" if r["peak_mem_gb"] is not None else "-"
-        lines.append(
-            f"| {r['path']} | {r['attention']} | {100 * r['padding_fraction']:.1f}% "
-            f"| {r['real_tokens_per_s'] / 1e3:.1f}k | {r['tflops']:.0f} | {100 * r['mfu']:.1f}% | {mem} "
-            f"| {r['step_s'] * 1e3:.0f} ms | {ratio} |"
-        )
-    return "\n".join(lines)
+        ref = _reference(results, r["path"]).get("real_tokens_per_s")
+        row = [r["path"], r["attention"], f"{100 * r['padding_fraction']:.1f}%"]
+        row += [f"{r['real_tokens_per_s'] / 1e3:.1f}k", f"{r['tflops']:.0f}", f"{100 * r['mfu']:.1f}%"]
+        row += [f"{r['peak_mem_gb']:.1f} GB", f"{r['step_s'] * 1e3:.0f} ms"]
+        rows.append([*row, harness.ratio(r["real_tokens_per_s"], ref)])
+    return harness.markdown_table([*columns, "vs padded"], rows)
 
 
 def main() -> None:
@@ -269,7 +245,7 @@ def main() -> None:
         args.shape, args.seq, args.batch, args.steps, args.warmup = "debug", 128, 2, 2, 1
         args.median, args.min_len = 40.0, 16
     if args.child:
-        print("RESULT " + json.dumps(run_path(args.child, args)), flush=True)
+        harness.emit_result(run_path(args.child, args))
         return
     paths = args.paths or (["padded", "packed-sdpa"] if args.dry_run else list(DEFAULT_PATHS))
     lengths = sample_lengths(20000, args.median, args.sigma, args.min_len, args.seq, args.seed)
@@ -291,17 +267,13 @@ def main() -> None:
         else:
             results.append(_child(args, path, left))
         print(json.dumps(results[-1]), flush=True)
-    import torch
-
     meta = {
-        "device": "cpu (dry run)" if args.dry_run else torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "argv": sys.argv[1:],
+        "device": "cpu (dry run)" if args.dry_run else harness.machine(cuda=True),
+        **harness.run_meta(__file__),
         "lengths": dist,
     }
     out = Path(args.out or Path(__file__).parent / "results" / "packing_throughput.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    harness.write_json(out, {"meta": meta, "results": results})
     print(
         f"\n{args.shape}, seq {args.seq}, budget {args.batch}x{args.seq} tokens per batch, pure bf16 + fused AdamW, "
         f"{args.steps} timed steps after {args.warmup}, {meta['device']}, torch {meta['torch']}"

@@ -14,12 +14,12 @@ Prints one table last and writes benchmarks/results/profile_<shape>_<seq>_<path>
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+import harness
 import step_profile
 from llm_throughput import FORGE_PATHS, _build_forge, _random_batches
 
@@ -96,6 +96,7 @@ def main() -> None:
     flops = llm_flops_per_token(config, args.seq) * args.batch * args.seq
     ideal_ms = flops / (MATMUL_CEILING_TFLOPS * 1e12) * 1e3
     result = {
+        "meta": {"gpu": harness.machine(cuda=True), **harness.run_meta(__file__)},
         "args": vars(args),
         "per_step_ms": step_ms,
         "gpu_ms": gpu_ms,
@@ -105,17 +106,16 @@ def main() -> None:
     out = Path(
         args.out or Path(__file__).parent / "results" / f"profile_{args.shape}_{args.seq}_{args.path}.json"
     )
-    out.write_text(json.dumps(result, indent=2))
+    harness.write_json(out, result)
     print(f"\n{args.shape}, seq {args.seq}, batch {args.batch}, path {args.path}: the most expensive kernels")
     for k in top_kernels[:15]:
         print(f"  {k['ms']:7.2f} ms  {k['bucket']:<17} {k['kernel'][:110]}")
     print(f"GPU kernel time per step ({args.path})")
-    print("| bucket | ms / step | share |")
-    print("|---|---|---|")
-    for name in step_profile.BUCKETS:
-        print(f"| {name} | {step_ms.get(name, 0.0):.1f} | {100 * step_ms.get(name, 0.0) / gpu_ms:.1f}% |")
-    print(f"| total (kernels) | {gpu_ms:.1f} | 100% |")
-    print(f"| all FLOPs at the {MATMUL_CEILING_TFLOPS:.0f} TFLOP/s matmul ceiling | {ideal_ms:.1f} | |")
+    buckets = {name: step_ms.get(name, 0.0) for name in step_profile.BUCKETS}
+    rows = [[name, f"{ms:.1f}", f"{100 * ms / gpu_ms:.1f}%"] for name, ms in buckets.items()]
+    rows += [["total (kernels)", f"{gpu_ms:.1f}", "100%"]]
+    rows += [[f"all FLOPs at the {MATMUL_CEILING_TFLOPS:.0f} TFLOP/s matmul ceiling", f"{ideal_ms:.1f}", ""]]
+    print(harness.markdown_table(["bucket", "ms / step", "share"], rows))
 
 
 if __name__ == "__main__":

@@ -86,16 +86,16 @@ import hashlib
 import json
 import os
 import shlex
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import harness  # this script's directory is on sys.path (stdlib only: the lerobot child imports it too)
+
 REPO = Path(__file__).resolve().parents[1]
 CAMERAS = ("observation.images.base", "observation.images.wrist")
-PEAK_TFLOPS = 989.0
 NORMALIZATION = {"observation.state": "quantiles", "action": "quantiles"}
 # lerobot's PI05 optimizer preset (openpi's): AdamW over every parameter, gradients clipped at 1.0.
 OPTIMIZER = {"lr": 2.5e-5, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.01}
@@ -243,25 +243,14 @@ def _digest(indices: list[Any]) -> str:
     return hashlib.sha1(json.dumps(flat).encode()).hexdigest()[:12]
 
 
-def _measured(batch: int, timed: int, seconds: float, wait: float, peak_bytes: float) -> dict[str, float]:
-    """The row's speed fields from ``timed`` steps of ``batch`` samples over ``seconds``."""
+def _measured(batch: int, timer: harness.StepTimer, wait: float, peak_bytes: float) -> dict[str, float]:
+    """The row's speed fields from the timed steps of ``batch`` samples, ``wait`` seconds of them data wait."""
     return {
-        "samples_per_s": batch * timed / seconds,
-        "step_s": seconds / timed,
-        "data_wait_pct": 100.0 * wait / seconds,
+        "samples_per_s": timer.rate(batch),
+        "step_s": timer.step_s,
+        "data_wait_pct": 100.0 * wait / timer.elapsed_s,
         "peak_mem_gb": peak_bytes / 1e9,
     }
-
-
-def _peak_bytes(cuda: bool) -> float:
-    """Peak GPU memory since the last reset, or this process's peak resident memory on CPU."""
-    import torch
-
-    if cuda:
-        return float(torch.cuda.max_memory_allocated())
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
 
 
 def _loss_fields(losses: list[float], indices: list[Any] | None) -> dict[str, Any]:
@@ -274,16 +263,16 @@ def _loss_fields(losses: list[float], indices: list[Any] | None) -> dict[str, An
 
 
 # ----- our side ---------------------------------------------------------------------------------------------
-def _step_timer(warmup: int, cuda: bool, record_order: bool, profile_steps: int = 0) -> Any:
-    """A Lightning callback timing steps ``warmup + 1 ...``, keeping every step's loss (and frame indices); with
-    ``profile_steps``, ``torch.profiler`` records the first that many timed steps (``step_profile.py``)."""
-    import torch
+def _step_timer(warmup: int, steps: int, cuda: bool, record_order: bool, profile_steps: int = 0) -> Any:
+    """A Lightning callback timing steps ``warmup + 1 ... steps``, keeping every step's loss (and frame indices);
+    with ``profile_steps``, ``torch.profiler`` records the first that many timed steps (``step_profile.py``)."""
     from lightning.pytorch import Callback
     from step_profile import StepProfiler
 
     class StepTimer(Callback):
         def __init__(self) -> None:
-            self.start = self.end = self.last_end = None
+            self.clock = harness.StepTimer(warmup, steps - warmup, cuda)
+            self.last_end = None
             self.wait, self.losses, self.indices, self.prompt_widths = 0.0, [], [], []
             self.profiler = StepProfiler(warmup, profile_steps, cuda)
 
@@ -298,15 +287,7 @@ def _step_timer(warmup: int, cuda: bool, record_order: bool, profile_steps: int 
             self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int
         ) -> None:
             self.losses.append(outputs["loss"].detach())
-            if trainer.global_step in (warmup, trainer.max_steps):
-                if cuda:
-                    torch.cuda.synchronize()
-                if trainer.global_step == warmup:
-                    self.start = time.perf_counter()
-                    if cuda:
-                        torch.cuda.reset_peak_memory_stats()
-                else:
-                    self.end = time.perf_counter()
+            self.clock.after_step(trainer.global_step)
             self.profiler.after_step(trainer.global_step)
             self.last_end = time.perf_counter()
 
@@ -371,7 +352,7 @@ def run_forge(args: argparse.Namespace, path: str) -> dict[str, Any]:
     policy = _forge_policy(args, path, steps)
     build_s = time.perf_counter() - start
     profile_steps = min(args.profile, steps - _warmup(args)) if not args.loss_steps else 0
-    timer = _step_timer(_warmup(args), cuda, record_order=bool(args.loss_steps), profile_steps=profile_steps)
+    timer = _step_timer(_warmup(args), steps, cuda, bool(args.loss_steps), profile_steps)
     trainer = Trainer(
         accelerator="gpu" if cuda else "cpu",
         devices=1,
@@ -386,10 +367,10 @@ def run_forge(args: argparse.Namespace, path: str) -> dict[str, Any]:
         callbacks=[timer],
     )
     trainer.fit(policy, datamodule=datamodule)
-    timed = steps - _warmup(args)
-    result = _measured(batch, timed, timer.end - timer.start, timer.wait, _peak_bytes(cuda))
+    result = _measured(batch, timer.clock, timer.wait, harness.peak_memory_bytes(cuda))
     result |= {"params": sum(p.numel() for p in policy.model.parameters()), "build_s": build_s}
-    result |= {"batch": batch, "video_backend": backend, "workers": args.workers, "timed_steps": timed}
+    result |= {"batch": batch, "video_backend": backend, "workers": args.workers}
+    result["timed_steps"] = timer.clock.steps
     result["prompt_tokens"] = sum(timer.prompt_widths) / max(1, len(timer.prompt_widths))
     if args.loss_steps:
         result |= _loss_fields([float(x) for x in timer.losses], timer.indices)
@@ -655,12 +636,10 @@ def run_lerobot(args: argparse.Namespace, path: str) -> dict[str, Any]:
     run = _lerobot_setup(args, path)
     cfg, tracker, batches = run["cfg"], _lerobot_tracker(run, cuda), cycle(run["loader"])
     warmup = _warmup(args)
-    losses, indices, wait, peak, start = [], [], 0.0, 0.0, 0.0
+    timer = harness.StepTimer(warmup, steps - warmup, cuda)
+    losses, indices, wait, peak = [], [], 0.0, 0.0
     for step in range(steps):
-        if step == warmup:
-            if cuda:
-                torch.cuda.synchronize()
-            start = time.perf_counter()
+        timer.after_step(step)  # the clock starts when the warm-up's last step ends
         fetch = time.perf_counter()
         batch = next(batches)  # the prepared loader also copies to the GPU
         if step >= warmup:
@@ -678,10 +657,9 @@ def run_lerobot(args: argparse.Namespace, path: str) -> dict[str, Any]:
         )  # fmt: skip
         losses.append(float(output["loss"]))
         if step >= warmup:  # update_policy resets the peak at each step's start
-            peak = max(peak, _peak_bytes(cuda))
-    if cuda:
-        torch.cuda.synchronize()
-    result = _measured(cfg.batch_size, steps - warmup, time.perf_counter() - start, wait, peak)
+            peak = max(peak, harness.peak_memory_bytes(cuda))
+    timer.after_step(steps)
+    result = _measured(cfg.batch_size, timer, wait, peak)
     result |= run["params"] | {"build_s": run["build_s"], "batch": cfg.batch_size}
     result |= {
         "video_backend": cfg.dataset.video_backend,
@@ -725,32 +703,19 @@ def _child(args: argparse.Namespace, child: str) -> dict[str, Any]:
     """Runs ``child`` in its own process; its output goes to ``--log-dir``; returns its RESULT."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    start = time.perf_counter()
-    proc = subprocess.run(_command(args, child), capture_output=True, text=True, env=env)
+    run = harness.run_child(_command(args, child), env)
     log = Path(args.log_dir) / f"vla_{child}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(proc.stdout + proc.stderr)
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line.removeprefix("RESULT ")) | {"wall_s": time.perf_counter() - start}
-    tail = (proc.stdout + proc.stderr).strip()
-    print(tail[-3000:], file=sys.stderr)
-    return {"error": tail.splitlines()[-1] if tail else f"exit {proc.returncode}", "log": str(log)}
+    log.write_text(run.stdout + run.stderr)
+    result = run.result()
+    if result is not None:
+        return result | {"wall_s": run.seconds}
+    return {"error": run.failure(), "log": str(log)}
 
 
-def _ratio(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
-    """Samples/s of ``row`` over those of ``ref``."""
-    if ref is None or "error" in ref or "error" in row:
-        return "-"
-    return f"{row['samples_per_s'] / ref['samples_per_s']:.2f}x"
-
-
-def _loss_columns(row: dict[str, Any], ref: dict[str, Any] | None) -> str:
-    """Step-0 loss, last-20 mean and its relative difference from ``ref``'s."""
-    delta = "-"
-    if ref is not None and "error" not in ref:
-        delta = f"{100 * (row['last20_mean_loss'] / ref['last20_mean_loss'] - 1):+.2f}%"
-    return f" {row['first_loss']:.4f} | {row['last20_mean_loss']:.4f} | {delta} |"
+def _value(row: dict[str, Any] | None, key: str) -> float | None:
+    """``row[key]``, or ``None`` for a row that is missing or failed (no ratio against it)."""
+    return None if row is None or "error" in row else row[key]
 
 
 def table(
@@ -763,28 +728,28 @@ def table(
     longest costs fewer FLOPs than one padded to 200; recomputation by checkpointing is not counted.
     """
     refs = [p for p in LEROBOT_PATHS if p in rows]
-    head = "| path | setting | batch | prompt | samples/s | TFLOP/s | MFU | step | data wait | peak mem |"
-    head += "".join(f" vs {p} |" for p in refs)
+    columns = ["path", "setting", "batch", "prompt", "samples/s", "TFLOP/s", "MFU", "step", "data wait"]
+    columns += ["peak mem", *(f"vs {p}" for p in refs)]
     if loss_reference:
-        head += f" step-0 loss | last-20 loss | vs {loss_reference} |"
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+        columns += ["step-0 loss", "last-20 loss", f"vs {loss_reference}"]
+    lines = []
     for path, row in rows.items():
         if "error" in row:
-            lines.append(f"| {path} | {row.get('setting', '')} | failed: {row['error'][:120]} |")
+            lines.append([path, row.get("setting", ""), harness.failed(row["error"], width=120)])
             continue
         prompt = row.get("prompt_tokens")  # absent from rows measured before trimming: the full length
-        tflops = row["samples_per_s"] * flops_per_sample(prompt) / 1e12
-        line = (
-            f"| {path} | {row['setting']} | {row['batch']} | {f'{prompt:.0f}' if prompt else '-'} | {row['samples_per_s']:.2f} | "
-            f"{tflops:.0f} | "
-            f"{100 * tflops / PEAK_TFLOPS:.1f}% | {row['step_s'] * 1e3:.0f} ms | {row['data_wait_pct']:.1f}% | "
-            f"{row['peak_mem_gb']:.1f} GB |"
-        )
-        line += "".join(f" {_ratio(row, rows[p])} |" for p in refs)
+        tflops = harness.tflops(row["samples_per_s"] * flops_per_sample(prompt))
+        line = [path, row["setting"], row["batch"], f"{prompt:.0f}" if prompt else "-"]
+        line += [f"{row['samples_per_s']:.2f}", f"{tflops:.0f}", f"{100 * harness.mfu(tflops):.1f}%"]
+        line += [f"{row['step_s'] * 1e3:.0f} ms"]
+        line += [f"{row['data_wait_pct']:.1f}%", f"{row['peak_mem_gb']:.1f} GB"]
+        line += [harness.ratio(row["samples_per_s"], _value(rows[p], "samples_per_s")) for p in refs]
         if loss_reference:
-            line += _loss_columns(row, rows.get(loss_reference))
+            loss_ref = _value(rows.get(loss_reference), "last20_mean_loss")
+            line += [f"{row['first_loss']:.4f}", f"{row['last20_mean_loss']:.4f}"]
+            line.append(harness.change(row["last20_mean_loss"], loss_ref))
         lines.append(line)
-    return "\n".join(lines)
+    return harness.markdown_table(columns, lines)
 
 
 def _count(n: int) -> str:
@@ -839,15 +804,11 @@ def _write(args: argparse.Namespace, rows: dict[str, dict[str, Any]], key: dict[
         previous = json.loads(out.read_text())
         if previous.get("settings") == key:
             earlier = previous.get("rows", {})
-    import torch
-
     merged = {p: earlier[p] for p in [*FORGE_PATHS, *LEROBOT_PATHS] if p in earlier and p not in rows}
     merged |= rows
     ordered = {p: merged[p] for p in [*FORGE_PATHS, *LEROBOT_PATHS] if p in merged}
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    meta = {"gpu": gpu, "torch": torch.__version__, "argv": sys.argv[1:]}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"settings": key, "meta": meta, "rows": ordered}, indent=2))
+    meta = {"gpu": harness.machine(args.device == "cuda"), **harness.run_meta(__file__)}
+    harness.write_json(out, {"settings": key, "meta": meta, "rows": ordered})
     rows.clear()
     rows |= ordered
     return out
@@ -909,7 +870,7 @@ def _run_child(args: argparse.Namespace) -> None:
         **{p: (lambda p=p: run_forge(args, p)) for p in FORGE_PATHS},
         **{p: (lambda p=p: run_lerobot(args, p)) for p in LEROBOT_PATHS},
     }
-    print("RESULT " + json.dumps(runners[args.child]()), flush=True)
+    harness.emit_result(runners[args.child]())
 
 
 def _preflight(args: argparse.Namespace) -> None:
@@ -957,10 +918,10 @@ def main() -> None:
             from step_profile import describe
 
             print(f"profile {path}: " + "\n".join(describe(row["profile"])))
-    flops = lambda prompt: config.training_flops_per_sample(len(CAMERAS), prompt or None)  # noqa: E731
-    print(table(rows, args.loss_reference if args.loss_steps else None, flops))
     for line in _summary(rows, bool(args.loss_steps)):
         print(line)
+    flops = lambda prompt: config.training_flops_per_sample(len(CAMERAS), prompt or None)  # noqa: E731
+    print(table(rows, args.loss_reference if args.loss_steps else None, flops))
 
 
 if __name__ == "__main__":

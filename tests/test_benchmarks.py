@@ -1,8 +1,10 @@
 """The throughput benchmarks' CPU script checks: each script runs end to end at a tiny size (gloo for the
 multi-process ones) and writes rows without errors, so a change to the code they share breaks a test, not the next
 GPU run. The numbers themselves mean nothing on a CPU; the byte formula of FSDP2's all-gathers is checked exactly.
+Also: the benchmarks import nothing from the test suite.
 """
 
+import ast
 import json
 import math
 import os
@@ -12,10 +14,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
+# On PYTHONPATH, its sitecustomize.py installs the CPU shim of megatron-core's CUDA calls in every process.
+MEGATRON_CPU_SITE = REPO / "tests" / "megatron" / "cpu_site"
 
 
-def _run(script: str, *args: str, out: Path) -> list[dict]:
+def _run(script: str, *args: str, out: Path, pythonpath: Path | None = None) -> list[dict]:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
     cmd = [sys.executable, str(BENCHMARKS / script), "--device", "cpu", *args, "--out", str(out)]
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -57,8 +63,51 @@ def test_fsdp_throughput_script_counts_gather_bytes_and_profiles(tmp_path):
 def test_megatron_throughput_script_trains_its_megatron_and_fsdp2_paths(tmp_path):
     args = ["--model", "debug", "--seq", "64", "--batch", "2", "--warmup", "2", "--steps", "2"]
     args += ["--paths", "forge-megatron", "forge-fsdp2"]
-    rows = _run("megatron_throughput.py", *args, out=tmp_path / "megatron.json")
+    rows = _run("megatron_throughput.py", *args, out=tmp_path / "megatron.json", pythonpath=MEGATRON_CPU_SITE)
     assert [r["path"] for r in rows] == ["forge-megatron", "forge-fsdp2"]
     for r in rows:
         assert r["tokens_per_s"] > 0
         assert abs(r["first_loss"] - FIRST_LOSS) < 0.2 and abs(r["last_loss"] - FIRST_LOSS) < 0.2, r
+
+
+def _imports_of_tests(path: Path) -> list[str]:
+    """The places in a benchmark script that import from ``tests/`` or put a ``tests/`` path on ``sys.path``."""
+    test_modules = {p.stem for p in (REPO / "tests").rglob("*.py")} - {"__init__"}
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""] if node.level == 0 else []
+        elif isinstance(node, ast.Call) and "sys.path" in ast.unparse(node.func):
+            strings = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)]
+            found += [(node.lineno, f"sys.path gets {s!r}") for s in strings if "tests" in str(s)]
+            continue
+        else:
+            continue
+        for name in names:
+            top = name.split(".")[0]
+            if top == "tests" or top in test_modules:
+                found.append((node.lineno, f"imports {name}"))
+    return [f"{path.name}:{line} {what}" for line, what in sorted(found)]
+
+
+def test_benchmarks_import_nothing_from_tests():
+    scripts = sorted(BENCHMARKS.glob("*.py"))
+    assert {"harness.py", "megatron_throughput.py"} <= {p.name for p in scripts}
+    assert [place for script in scripts for place in _imports_of_tests(script)] == []
+
+
+def test_the_import_guard_sees_the_old_shim_import(tmp_path):
+    """What megatron_throughput.py did before the shim moved to the test side."""
+    script = tmp_path / "old.py"
+    script.write_text(
+        "import sys\nfrom pathlib import Path\n"
+        "sys.path.insert(0, str(Path(__file__).resolve().parents[1] / 'tests' / 'megatron'))\n"
+        "import cuda_shim\nfrom tests.megatron import conftest\n"
+    )
+    assert [place.split(" ", 1)[1] for place in _imports_of_tests(script)] == [
+        "sys.path gets 'tests'",
+        "imports cuda_shim",
+        "imports tests.megatron",
+    ]

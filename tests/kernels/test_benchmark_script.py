@@ -32,9 +32,9 @@ def test_dry_run_writes_one_row_per_case(benchmark_module, tmp_path, capsys):
         assert row["compiled_ms"] is None and row["speedup_vs_compiled"] is None  # nothing is compiled
         assert row["triton_gpu_ms"] is None  # GPU kernel time needs CUDA
         assert row["max_rel_diff"] < 1e-5  # every column ran a torch formulation
-    table = capsys.readouterr().out
-    assert table.splitlines()[0].split()[:3] == ["kernel", "shape", "dtype"]
-    assert len(table.splitlines()) == len(rows) + 2
+    table = capsys.readouterr().out.splitlines()  # markdown: header, separator, one line per row
+    assert [cell.strip() for cell in table[0].strip("|").split("|")][:3] == ["kernel", "shape", "dtype"]
+    assert len(table) == len(rows) + 2
 
 
 def test_full_run_needs_a_gpu(benchmark_module):
