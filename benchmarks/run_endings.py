@@ -1,10 +1,11 @@
 """How long a ``forge fit`` takes to end after its last training step, per strategy.
 
 Each run is the product path: ``forge fit --config <recipe>`` in a child process, with a clock callback added on
-the command line. The table gives, per strategy, the seconds from the end of the last training step to the end of
-training (the callbacks' ``on_train_end``: checkpoints, exports, samples), from there to the process's exit
-(teardown, process-group shutdown, interpreter exit), and in all. A child that has not exited ``--exit-timeout``
-seconds after its last step prints every thread's stack (``faulthandler``) and is stopped: its row says so.
+the command line. The table splits, per strategy, the time from the end of the last training step to the process's
+exit into stages: the ``on_train_end`` hooks (``ModelCheckpoint`` writes the last checkpoint there), the strategy's
+teardown, the rest of ``fit``, and the interpreter's exit (exit handlers, process-group and CUDA shutdown), with the
+last checkpoint's size. From the last step on, the child prints every thread's stack every ``--stacks-every``
+seconds; a child that has not exited ``--exit-timeout`` seconds after its last step is stopped, and its row says so.
 
 GPU (one H200; the quick-start corpus, built on the spot, as data)::
 
@@ -19,9 +20,11 @@ CPU script check (the tiny quick-start model; megatron-core on a CPU needs the t
 from __future__ import annotations
 
 import argparse
+import atexit
+import faulthandler
 import os
 import re
-import signal
+import shutil
 import subprocess
 import sys
 import threading
@@ -51,30 +54,68 @@ CPU_STRATEGIES = {
 
 
 class RunClock(Callback):
-    """Prints ``CLOCK <event> <unix time>`` when the last training step ends and when training ends."""
+    """Prints ``CLOCK <event> <unix time>`` at each stage of a run's ending, on global rank 0.
 
-    def __init__(self, steps: int) -> None:
-        self.steps = steps
+    The events, in order: ``last_step`` (the last training step ended), ``train_end`` (the first ``on_train_end``
+    hook; Lightning runs ``ModelCheckpoint``'s, which writes the last checkpoint, after the others),
+    ``teardown_start`` / ``teardown_end`` (the strategy's teardown), ``fit_end`` (``on_fit_end``), and, printed by
+    the child itself, ``fit_returned`` and ``atexit`` (the last exit handler). From ``last_step`` on, every
+    thread's stack is printed every ``stacks_every`` seconds (``faulthandler``, from a thread of its own, so a
+    process stuck in native code prints it too).
+    """
+
+    def __init__(self, steps: int, stacks_every: float = 0.0) -> None:
+        self.steps, self.stacks_every = steps, stacks_every
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        strategy_teardown = trainer.strategy.teardown
+
+        def teardown() -> None:
+            self._clock(trainer, "teardown_start")
+            strategy_teardown()
+            self._clock(trainer, "teardown_end")
+
+        trainer.strategy.teardown = teardown  # type: ignore[method-assign]
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: object) -> None:
-        if trainer.global_step == self.steps and trainer.is_global_zero:
-            harness.emit(f"CLOCK last_step {time.time()}")
+        if trainer.global_step == self.steps:
+            self._clock(trainer, "last_step")
+            if self.stacks_every and trainer.is_global_zero:
+                faulthandler.dump_traceback_later(self.stacks_every, repeat=True)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._clock(trainer, "train_end")
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._clock(trainer, "fit_end")
+
+    @staticmethod
+    def _clock(trainer: Trainer, event: str) -> None:
         if trainer.is_global_zero:
-            harness.emit(f"CLOCK train_end {time.time()}")
+            harness.emit(f"CLOCK {event} {time.time()}")
+
+
+# (stage name, first clock, last clock): the table's columns; "exit" is the process's end, seen by the parent.
+STAGES = (
+    ("last step -> train end", "last_step", "train_end"),
+    ("last checkpoint + on_train_end", "train_end", "teardown_start"),
+    ("strategy teardown", "teardown_start", "teardown_end"),
+    ("fit end -> fit returned", "teardown_end", "fit_returned"),
+    ("fit returned -> exit", "fit_returned", "exit"),
+)
 
 
 def _child_args(args: argparse.Namespace, run: str) -> list[str]:
     data = Path(args.data)
+    clock = f"{{class_path: run_endings.RunClock, init_args: {{steps: {args.steps}, stacks_every: {args.stacks_every}}}}}"
     common = [
         f"--data.data_prefix={data / 'stdlib_text_document'}",
         f"--data.tokenizer={data / 'tokenizer'}",
         f"--trainer.max_steps={args.steps}",
         "--trainer.devices=1",
         f"--trainer.default_root_dir={Path(args.work) / run}",
-        f"--trainer.logger.init_args.save_dir={Path(args.work) / run}",
-        f"--trainer.callbacks+={{class_path: run_endings.RunClock, init_args: {{steps: {args.steps}}}}}",
+        f'--trainer.logger={{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: {Path(args.work) / run}, name: ""}}}}',
+        f"--trainer.callbacks+={clock}",
     ]
     if args.device == "cpu":
         return ["fit", "--config", str(REPO / "configs/quickstart/llm.yaml"), *CPU_STRATEGIES[run], *common]
@@ -83,17 +124,44 @@ def _child_args(args: argparse.Namespace, run: str) -> list[str]:
 
 
 def _child(argv: list[str]) -> None:
-    """The forge CLI, with every thread's stack printed on SIGUSR1 (the parent's signal for a run that hangs)."""
-    import faulthandler
-
-    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    """The forge CLI, with the clocks of the process's own end: ``fit_returned`` and ``atexit`` (registered
+    first, so it runs after every other exit handler)."""
+    atexit.register(lambda: harness.emit(f"CLOCK atexit {time.time()}"))
     from forge_lightning.cli import main
 
     main(argv)
+    harness.emit(f"CLOCK fit_returned {time.time()}")
+
+
+def disk_write_gbps(directory: Path, gb: float = 4.0) -> float:
+    """The disk's sequential write speed in GB/s: ``gb`` GB in 16 MiB blocks, fsync'd, like a checkpoint's files."""
+    block = os.urandom(16 * 2**20)
+    path = directory / ".disk_probe"
+    start = time.perf_counter()
+    with path.open("wb") as f:
+        for _ in range(max(1, int(gb * 1e9 / len(block)))):
+            f.write(block)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - start
+    written = path.stat().st_size
+    path.unlink()
+    return written / 1e9 / seconds
+
+
+def _checkpoint_gb(work: Path) -> float | None:
+    """Size of the newest ``last.ckpt`` (a file or a sharded checkpoint's directory) under ``work``, in GB."""
+    found = sorted(work.rglob("last.ckpt"), key=lambda p: p.stat().st_mtime)
+    if not found:
+        return None
+    last = found[-1].resolve()
+    files = [last] if last.is_file() else [f for f in last.rglob("*") if f.is_file()]
+    return sum(f.stat().st_size for f in files) / 1e9
 
 
 def measure(args: argparse.Namespace, run: str) -> dict:
-    """One run: its clock lines, its exit time, and its throughput summary line."""
+    """One run: its clock lines, the seconds of each stage of its ending, its last checkpoint's size and its
+    throughput summary line."""
     cmd = [sys.executable, __file__, "child", *_child_args(args, run)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -113,70 +181,59 @@ def measure(args: argparse.Namespace, run: str) -> dict:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     last_step.wait()
-    hung = _wait_for_exit(proc, args.exit_timeout, args.stacks_every)
-    exited = time.time()
+    try:
+        proc.wait(timeout=args.exit_timeout if "last_step" in clocks else None)
+        hung = False
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        hung = True
+    clocks["exit"] = time.time()
     reader.join(timeout=30)
     log = "".join(lines)
     Path(args.work, f"{run}.log").write_text(log)
     throughput = re.findall(r"tokens_per_sec=([\d.e+]+)", log)
-    row = {"run": run, "returncode": proc.returncode, "hung": hung}
-    if "last_step" not in clocks:
+    row: dict = {"run": run, "returncode": proc.returncode, "hung": hung}
+    if "last_step" not in clocks or (proc.returncode and not hung):
         return {**row, "error": harness.failed(log.strip().splitlines()[-1] if log.strip() else "no output")}
     if hung:
-        exited = clocks["last_step"] + args.exit_timeout
-        row["stack"] = log[-4000:]
-    row["train_end_s"] = clocks.get("train_end", exited) - clocks["last_step"]
-    row["exit_s"] = exited - clocks.get("train_end", clocks["last_step"])
-    row["total_s"] = exited - clocks["last_step"]
+        row["stack"] = log[-6000:]
+    row["stages_s"] = {
+        name: clocks[last] - clocks[first]
+        for name, first, last in STAGES
+        if first in clocks and last in clocks
+    }
+    row["atexit_to_exit_s"] = clocks["exit"] - clocks["atexit"] if "atexit" in clocks else None
+    row["total_s"] = clocks["exit"] - clocks["last_step"]
+    row["checkpoint_gb"] = _checkpoint_gb(Path(args.work) / run)
+    if not args.keep_runs:  # the checkpoints of a 1B model take ~15 GB per run
+        shutil.rmtree(Path(args.work) / run, ignore_errors=True)
     row["tokens_per_s"] = float(throughput[-1]) if throughput else None
     return row
 
 
-def _wait_for_exit(proc: subprocess.Popen, timeout: float, stacks_every: float) -> bool:
-    """Wait up to ``timeout`` seconds for the child to exit, printing its stacks every ``stacks_every`` seconds (0:
-    only when it is stopped); stop it if it has not exited. Returns whether it had to be stopped."""
-    deadline = time.time() + timeout
-    while True:
-        wait = deadline - time.time() if not stacks_every else min(stacks_every, deadline - time.time())
-        try:
-            proc.wait(timeout=max(wait, 0.0))
-            return False
-        except subprocess.TimeoutExpired:
-            if time.time() >= deadline:
-                break
-            proc.send_signal(signal.SIGUSR1)  # where it is now: every thread's stack into the log
-    proc.send_signal(signal.SIGUSR1)
-    time.sleep(5)
-    proc.kill()
-    proc.wait()
-    return True
-
-
 def _table(rows: list[dict]) -> str:
-    def seconds(r: dict, key: str) -> str:
-        return (
-            "-" if key not in r else f"{r[key]:.1f}" + (" (hung)" if r["hung"] and key == "total_s" else "")
-        )
+    def seconds(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1f}"
 
-    cells = [
-        (
-            r["run"],
-            r.get("error") or ("exited" if not r["hung"] else "did not exit"),
-            seconds(r, "train_end_s"),
-            seconds(r, "exit_s"),
-            seconds(r, "total_s"),
-            "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s'] / 1e3:.1f}k",
+    cells = []
+    for r in rows:
+        stages = r.get("stages_s", {})
+        status = r.get("error") or ("exited" if not r["hung"] else "stopped: did not exit")
+        gb = r.get("checkpoint_gb")
+        cells.append(
+            (
+                r["run"],
+                status,
+                *(seconds(stages.get(name)) for name, _, _ in STAGES),
+                seconds(r.get("total_s")),
+                "-" if gb is None else f"{gb:.1f}",
+                "-" if gb is None or not stages.get(STAGES[1][0]) else f"{gb / stages[STAGES[1][0]]:.2f}",
+                "-" if r.get("tokens_per_s") is None else f"{r['tokens_per_s'] / 1e3:.1f}k",
+            )
         )
-        for r in rows
-    ]
-    columns = [
-        "run",
-        "status",
-        "last step -> train end (s)",
-        "train end -> exit (s)",
-        "last step -> exit (s)",
-    ]
-    return harness.markdown_table([*columns, "tokens/s"], cells)
+    columns = ["run", "status", *(f"{name} (s)" for name, _, _ in STAGES), "last step -> exit (s)"]
+    return harness.markdown_table([*columns, "last checkpoint (GB)", "its write (GB/s)", "tokens/s"], cells)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -194,8 +251,12 @@ def _parser() -> argparse.ArgumentParser:
         "--exit-timeout", type=float, default=150.0, help="seconds after the last step before a stop"
     )
     p.add_argument(
-        "--stacks-every", type=float, default=0.0, help="after the last step, dump stacks every N s"
+        "--stacks-every",
+        type=float,
+        default=15.0,
+        help="after the last step, print every thread's stack every N s",
     )
+    p.add_argument("--keep-runs", action="store_true", help="keep each run's checkpoints and logs directory")
     p.add_argument("--out", default=None, help="results JSON")
     return p
 
@@ -210,9 +271,14 @@ def main() -> None:
         quickstart = [sys.executable, "-m", "forge_lightning.tools.data", "quickstart", "--output", args.data]
         subprocess.run(quickstart, check=True)
     known = CPU_STRATEGIES if args.device == "cpu" else GPU_RECIPES
-    rows = [measure(args, run) for run in args.runs if run in known]
-    if args.out:
-        harness.write_json(args.out, {"meta": harness.run_meta(__file__), "results": rows})
+    disk = disk_write_gbps(Path(args.work))
+    rows: list[dict] = []
+    for run in (r for r in args.runs if r in known):
+        rows.append(measure(args, run))
+        if args.out:  # after every run: a launch stopped midway keeps the rows it has
+            record = {"meta": harness.run_meta(__file__), "disk_write_gbps_fsync": disk, "results": rows}
+            harness.write_json(args.out, record)
+    print(f"the work directory's disk: {disk:.2f} GB/s written and fsync'd", flush=True)
     print(_table(rows), flush=True)
 
 

@@ -70,6 +70,26 @@ def test_megatron_throughput_script_trains_its_megatron_and_fsdp2_paths(tmp_path
         assert abs(r["first_loss"] - FIRST_LOSS) < 0.2 and abs(r["last_loss"] - FIRST_LOSS) < 0.2, r
 
 
+def test_run_endings_script_times_each_stage_of_a_forge_fit_ending(tmp_path):
+    args = ["--runs", "single", "megatron", "--steps", "2", "--data", str(tmp_path / "qs")]
+    rows = _run(
+        "run_endings.py",
+        *args,
+        "--work",
+        str(tmp_path / "w"),
+        out=tmp_path / "re.json",
+        pythonpath=MEGATRON_CPU_SITE,
+    )
+    assert [r["run"] for r in rows] == ["single", "megatron"]
+    for r in rows:
+        assert r["returncode"] == 0 and not r["hung"], r
+        stages = r["stages_s"]
+        assert len(stages) == 5 and all(v >= 0 for v in stages.values()), r
+        assert abs(sum(stages.values()) - r["total_s"]) < 0.5, r  # the stages cover the whole ending
+        assert r["checkpoint_gb"] > 0, r  # the recipe's save_last checkpoint was written (then removed)
+    assert not (tmp_path / "w" / "megatron").exists()
+
+
 def _imports_of_tests(path: Path) -> list[str]:
     """The places in a benchmark script that import from ``tests/`` or put a ``tests/`` path on ``sys.path``."""
     test_modules = {p.stem for p in (REPO / "tests").rglob("*.py")} - {"__init__"}

@@ -73,3 +73,16 @@ def test_callback_tensors_in_dcp_load_into_tensors_like_the_live_callbacks(tmp_p
         _load_callback_dtensors(meta, tmp_path, [_Holder({"avg": {"w": torch.zeros(4)}, "step": 0})])
     assert meta["callbacks"]["_Holder"]["step"] == 3 and set(meta["callbacks"]["_Holder"]["avg"]) == {"w"}
     assert torch.equal(meta["callbacks"]["_Holder"]["avg"]["w"], torch.arange(4.0))
+
+
+def test_host_copy_leaves_cpu_tensors_and_keeps_a_state_dicts_metadata():
+    from torch import nn
+
+    from forge_lightning.strategies.checkpoint_io import host_copy
+
+    state = nn.BatchNorm1d(4).state_dict()
+    tree = {"state_dict": state, "losses": [torch.tensor(1.0), 2], "pair": (torch.zeros(2), "x")}
+    copied = host_copy(tree)
+    assert copied["state_dict"]._metadata == state._metadata and copied["state_dict"] is not state
+    assert all(copied["state_dict"][k] is v for k, v in state.items())  # CPU tensors are not copied
+    assert copied["losses"][0] is tree["losses"][0] and copied["pair"][1] == "x"

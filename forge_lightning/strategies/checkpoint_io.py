@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +13,50 @@ from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from forge_lightning.atomic_io import write_file
+
+
+def host_copy(tree: Any) -> Any:
+    """``tree`` with every CUDA tensor copied to pinned host memory, all copies issued before one synchronisation.
+
+    ``torch.save`` would copy each storage through pageable memory before writing it: 0.5 GB/s for a 1B model's
+    weights and Adam state on one H200. Tensors sharing a storage (tied weights, views) still share one here, so the
+    file holds it once. The pinned blocks stay in PyTorch's host-memory cache for the next save.
+    """
+    storages: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+    def to_host(tensor: torch.Tensor) -> torch.Tensor:
+        if not tensor.is_cuda:
+            return tensor
+        storage = tensor.untyped_storage()
+        key = (tensor.device, storage.data_ptr())
+        if key not in storages:
+            source = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+            storages[key] = torch.empty(storage.nbytes(), dtype=torch.uint8, pin_memory=True)
+            storages[key].copy_(source, non_blocking=True)
+        host = torch.empty(0, dtype=tensor.dtype)
+        return host.set_(
+            storages[key].untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride()
+        )
+
+    copied = _map_tensors(tree, to_host)
+    if storages:
+        torch.cuda.synchronize()
+    return copied
+
+
+def _map_tensors(tree: Any, function: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``tree`` with ``function`` applied to its tensors; dicts are copied with their attributes (a state dict's
+    ``_metadata``), lists and tuples rebuilt, anything else kept."""
+    if isinstance(tree, torch.Tensor):
+        return function(tree)
+    if isinstance(tree, dict):
+        out = copy.copy(tree)
+        for key, value in tree.items():
+            out[key] = _map_tensors(value, function)
+        return out
+    if type(tree) in (list, tuple):
+        return type(tree)(_map_tensors(v, function) for v in tree)
+    return tree
 
 
 def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
@@ -22,7 +68,8 @@ def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
-    """Lightning checkpoint I/O with atomic saves (temp file + rename) and ``weights_only=True`` loads."""
+    """Lightning checkpoint I/O with atomic saves (temp file + rename) and ``weights_only=True`` loads; CUDA tensors
+    are copied to host memory all at once before the write (:func:`host_copy`)."""
 
     @override
     def save_checkpoint(
@@ -30,7 +77,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        atomic_torch_save(checkpoint, path)
+        atomic_torch_save(host_copy(checkpoint), path)
 
     @override
     def load_checkpoint(

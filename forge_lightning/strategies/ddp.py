@@ -9,11 +9,15 @@ run on gloo and NCCL alike.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+import torch
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
 
 from forge_lightning.contracts import PlannedModule
@@ -75,6 +79,19 @@ class DDPStrategy(LightningDDPStrategy):
         return self.global_rank
 
     @override
+    @override
+    def teardown(self) -> None:
+        """Lightning's teardown, without first copying the optimizer state to host memory (15 s for a 1B model with
+        Adam on one H200, for a state nobody reads again: it is in the checkpoints): it is dropped instead. The
+        module still moves to the CPU, into pinned memory with one synchronisation (Lightning's ``module.cpu()``
+        copies one tensor at a time through pageable memory)."""
+        release_optimizer_state(self.optimizers)
+        module = self.lightning_module
+        if module is not None and self.root_device.type == "cuda":
+            module.to("cpu", non_blocking=True)
+            torch.cuda.synchronize(self.root_device)
+        super().teardown()
+
     def _register_ddp_hooks(self) -> None:
         hook = make_comm_hook(self.comm_hook)
         if hook is None:
@@ -92,6 +109,16 @@ class DDPStrategy(LightningDDPStrategy):
             f"{len(self.comm_state.exact_params)} parameters exact; buckets under {self.min_compress_numel} "
             f"elements exact; error feedback {'on' if self.error_feedback else 'off'}"
         )
+
+
+def release_optimizer_state(optimizers: Iterable[torch.optim.Optimizer | LightningOptimizer]) -> None:
+    """Drop every optimizer's per-parameter state (a ``ZeroRedundancyOptimizer``'s local shard too)."""
+    for optimizer in optimizers:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        optimizer.state.clear()
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            optimizer.optim.state.clear()
 
 
 def _head_modules(module: nn.Module) -> list[nn.Module]:

@@ -35,12 +35,20 @@ from torch.distributed.tensor import DTensor
 from forge_lightning.atomic_io import replace
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
 
+# Files each rank writes in parallel. On one H200 machine's disk (fsync'd), 8.6 GB of GPU tensors through DCP: one
+# writer 0.50 GB/s, four 0.76 GB/s, eight 0.77 GB/s, sixteen 0.86 GB/s (dd: 0.87 GB/s).
+CHECKPOINT_WRITERS = 8
 METADATA_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses, so either can read the other's
 _IN_DCP = "dcp:"  # meta.pt's stand-in for a callback tensor saved through DCP: this prefix + its DCP key
 
 
 def save_distributed_checkpoint(
-    checkpoint: dict[str, Any], path: Path, barrier: Callable[[], None], *, is_global_zero: bool
+    checkpoint: dict[str, Any],
+    path: Path,
+    barrier: Callable[[], None],
+    *,
+    is_global_zero: bool,
+    writers: int = CHECKPOINT_WRITERS,
 ) -> None:
     """Write Lightning's ``checkpoint`` dict as a sharded DCP directory at ``path``. Collective.
 
@@ -50,8 +58,9 @@ def save_distributed_checkpoint(
         path: the checkpoint directory (replaced if it exists).
         barrier: the strategy's barrier.
         is_global_zero: whether this is global rank 0 (which writes ``meta.pt`` and renames).
+        writers: files this rank writes in parallel (DCP's writer threads); every file is fsync'd.
     """
-    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint import FileSystemWriter, save
 
     tmp = path.with_name(f".{path.name}.tmp")
     if is_global_zero and tmp.exists():
@@ -62,7 +71,7 @@ def save_distributed_checkpoint(
     state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
     if "callbacks" in checkpoint:
         checkpoint["callbacks"] = _take_dtensors(checkpoint["callbacks"], "callbacks", state)
-    save(state, checkpoint_id=tmp)
+    save(state, storage_writer=FileSystemWriter(tmp, thread_count=writers, sync_files=True))
     if is_global_zero:
         atomic_torch_save(checkpoint, tmp / METADATA_FILE)
     barrier()

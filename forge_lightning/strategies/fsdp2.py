@@ -27,6 +27,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import _sync_ddp_if_available
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
@@ -43,6 +44,7 @@ from forge_lightning.performance import (
 from forge_lightning.strategies import parallelize as par
 from forge_lightning.strategies.comm import FSDPCommHandles, apply_fsdp_comm_options, check_fsdp_comm_options
 from forge_lightning.strategies.distributed_checkpoint import (
+    CHECKPOINT_WRITERS,
     full_model_state_dict,
     load_distributed_checkpoint,
     save_distributed_checkpoint,
@@ -150,6 +152,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         fp8_error_feedback: with ``gradient_reduce: fp8``, add each step's quantization error to the next step's
             gradient (an fp32 buffer the size of each unit's unsharded gradient).
         fp8_block: elements per fp32 scale in the FP8 collectives.
+        checkpoint_writers: files each rank writes in parallel when saving a checkpoint.
         process_group_backend: ``nccl``, ``gloo``...; default from the device.
         timeout: collective timeout.
     """
@@ -180,6 +183,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         gradient_reduce: str = "exact",
         fp8_error_feedback: bool = True,
         fp8_block: int = 256,
+        checkpoint_writers: int = CHECKPOINT_WRITERS,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -201,6 +205,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.forward_prefetch = forward_prefetch
         self.backward_prefetch = backward_prefetch
         self.cpu_offload = cpu_offload
+        if checkpoint_writers < 1:
+            raise ValueError(f"checkpoint_writers must be at least 1, got {checkpoint_writers}")
+        self.checkpoint_writers = checkpoint_writers
         self.unsharded_components = list(unsharded_components or [])
         self.replicated_components = list(replicated_components or [])
         overlap = set(self.unsharded_components) & set(self.replicated_components)
@@ -439,7 +446,33 @@ class FSDP2Strategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes its own checkpoints and takes no storage_options")
         path = Path(self.broadcast(str(filepath)))
-        save_distributed_checkpoint(checkpoint, path, self.barrier, is_global_zero=self.is_global_zero)
+        save_distributed_checkpoint(
+            checkpoint,
+            path,
+            self.barrier,
+            is_global_zero=self.is_global_zero,
+            writers=self.checkpoint_writers,
+        )
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The model's sharded state dict where its shards are: DCP copies them to host memory as it writes
+        (Lightning's first copies the whole of it: 4 s for a 1B model's fp32 weights on one H200)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(cpu_offload=False))
+
+    @override
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """The optimizer's sharded state dict where its shards are (Lightning's first copies it to host memory:
+        10 s for a 1B model's Adam state on one H200)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        assert self.model is not None
+        return get_optimizer_state_dict(self.model, optimizer, options=StateDictOptions(cpu_offload=False))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:

@@ -9,7 +9,9 @@ megatron-core is imported twice in all (see checkpoint_worker.py):
                                                               megatron-to-hf
     pp2 ──ckpt──> pp2_to_tp2                     vpp ckpt ──> vpp_to_one (TP1), validate_vpp (TP1, `validate`)
     vpp (PP2 x VPP2, 4 layers) ──ckpt            dp2_distopt ckpt ──> distopt_to_one, other_optimizer (refused)
-    dp2_distopt (DP2, distributed optimizer)     reference_4_layers (default strategy): vpp's reference
+    dp2_distopt (DP2, distributed optimizer,     reference_4_layers (default strategy): vpp's reference
+      dp_reshardable) ──ckpt──> distopt_to_tp2 (refused: TP changes)
+    dp2_distopt_full (fully_reshardable) ──ckpt──> distopt_full_to_tp2
 
 The crash-during-save, shape-mismatch and encoder-side (a composed model's, see test_components.py for the runs)
 checks run in this process on a one-process megatron world.
@@ -38,6 +40,7 @@ TP1 = [*STRATEGY, "--trainer.strategy.tensor_model_parallel_size", "1"]
 PP2 = [*STRATEGY, "--trainer.strategy.pipeline_model_parallel_size", "2"]
 VPP = [*PP2, "--trainer.strategy.virtual_pipeline_model_parallel_size", "2"]
 DIST_OPT = [*STRATEGY, "--trainer.strategy.use_distributed_optimizer", "true"]
+FULLY_RESHARDABLE = ["--trainer.strategy.dist_ckpt_optim_fully_reshardable", "true"]
 FOUR_LAYERS = ["--model.init_args.config.num_hidden_layers", "4"]
 STEP3 = "epoch=0-step=3.ckpt"
 # fp32 losses (~6.2) of another layout differ by rounding (another reduction order), which Adam amplifies step by
@@ -122,7 +125,9 @@ def _launch(root: Path, nproc: int, plan: list[dict]) -> dict:
 def runs(tiny_corpus, tmp_path_factory):
     root = tmp_path_factory.mktemp("megatron_ckpt")
     (root / "corpus").symlink_to(tiny_corpus["root"])
-    ckpt = {name: str(root / f"ckpt_{name}" / STEP3) for name in ("tp2", "pp2", "vpp", "dp2_distopt")}
+    saved = ("tp2", "pp2", "vpp", "dp2_distopt", "dp2_distopt_full")
+    ckpt = {name: str(root / f"ckpt_{name}" / STEP3) for name in saved}
+    distopt_tp2 = [*DIST_OPT, "--trainer.strategy.tensor_model_parallel_size", "2"]
     no_val = ["--trainer.limit_val_batches", "0"]
     results = _launch(
         root,
@@ -134,6 +139,13 @@ def runs(tiny_corpus, tmp_path_factory):
             _fit(root, "pp2_to_tp2", *TP2, *no_val, "--ckpt_path", ckpt["pp2"], batch=2, accumulate=2),
             _fit(root, "vpp", *VPP, *FOUR_LAYERS, accumulate=2, save=True),
             _fit(root, "dp2_distopt", *DIST_OPT, *no_val, batch=2, save=True),
+            {
+                **_fit(root, "distopt_to_tp2", *distopt_tp2, *no_val, "--ckpt_path", ckpt["dp2_distopt"]),
+                "expect_error": True,
+            },
+            _fit(root, "dp2_distopt_full", *DIST_OPT, *FULLY_RESHARDABLE, *no_val, batch=2, save=True),
+            # the same global batch (4) at TP2 x DP1
+            _fit(root, "distopt_full_to_tp2", *distopt_tp2, *no_val, "--ckpt_path", ckpt["dp2_distopt_full"]),
         ],
     )
     results |= _launch(
@@ -174,7 +186,13 @@ def test_resume_at_the_same_layout_is_exact(runs):
 
 @pytest.mark.parametrize(
     ("saved", "resumed"),
-    [("tp2", "tp2_to_one"), ("pp2", "pp2_to_tp2"), ("vpp", "vpp_to_one"), ("dp2_distopt", "distopt_to_one")],
+    [
+        ("tp2", "tp2_to_one"),
+        ("pp2", "pp2_to_tp2"),
+        ("vpp", "vpp_to_one"),
+        ("dp2_distopt", "distopt_to_one"),
+        ("dp2_distopt_full", "distopt_full_to_tp2"),
+    ],
 )
 def test_resume_at_another_layout_matches_within_fp32_tolerance(runs, saved, resumed):
     root, _ = runs
@@ -213,6 +231,21 @@ def test_checkpoint_of_another_optimizer_kind_is_refused(runs):
     error = results["other_optimizer"]["error"]
     assert "{'distributed': True, 'bf16': False}, this run has {'distributed': False" in error, error
     assert "use_distributed_optimizer" in error
+
+
+def test_a_dp_reshardable_optimizer_state_at_another_model_parallel_layout_is_refused(runs):
+    root, results = runs
+    error = results["distopt_to_tp2"]["error"]
+    assert error.startswith("ValueError") and "dp_reshardable form" in error, error
+    assert "tensor_model_parallel_size 1 -> 2" in error and "dist_ckpt_optim_fully_reshardable" in error, (
+        error
+    )
+    forms = {
+        name: torch.load(root / f"ckpt_{name}" / STEP3 / "meta.pt", weights_only=True)["megatron"]
+        for name in ("dp2_distopt", "dp2_distopt_full")
+    }
+    assert forms["dp2_distopt"]["optimizer_sharding"] == "dp_reshardable"
+    assert forms["dp2_distopt_full"]["optimizer_sharding"] == "fully_reshardable"
 
 
 def test_megatron_to_hf_reads_a_training_checkpoint_of_another_layout(runs):
@@ -342,3 +375,33 @@ def test_a_tensor_parallel_weight_saved_whole_is_refused(megatron_world, monkeyp
     monkeypatch.setattr(parallel_state, "get_tensor_model_parallel_world_size", lambda: 2)
     with pytest.raises(ValueError, match=r"parameters \['embedding.word_embeddings.weight', .* saved whole"):
         ckpt.sharded_state_dict([model], None, is_loading=False)
+
+
+def test_a_version_1_checkpoint_reads_as_fully_reshardable_and_writers_are_checked():
+    from forge_lightning.strategies.megatron import checkpoint as ckpt
+
+    assert ckpt.optimizer_sharding({"megatron": {"format": ckpt.FORMAT, "version": 1}}) == "fully_reshardable"
+    assert ckpt.optimizer_sharding({"megatron": {"optimizer_sharding": "dp_reshardable"}}) == "dp_reshardable"
+    with pytest.raises(ValueError, match="writers_per_rank must be at least 1"):
+        ckpt.MegatronCheckpointIO(writers_per_rank=0)
+
+
+def test_the_forked_results_queue_server_takes_the_default_action_on_sigterm():
+    """The writers' results queue is served by a forked Manager: it must not run the parent's Python signal
+    handlers (Lightning's SIGTERM handler broadcasts over the parent's process group and would hang there)."""
+    script = """
+import multiprocessing, signal, time
+signal.signal(signal.SIGTERM, lambda *_: time.sleep(3600))  # a parent's handler that never returns
+from megatron.core.dist_checkpointing.strategies import filesystem_async
+from forge_lightning.strategies.megatron.checkpoint import _start_results_queue_by_fork
+_start_results_queue_by_fork()
+filesystem_async._results_queue.put("written")
+assert filesystem_async._results_queue.get() == "written"
+(server,) = multiprocessing.active_children()
+assert server._popen.method == "fork"
+server.terminate()
+server.join(10)
+print("EXITCODE", server.exitcode)
+"""
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and "EXITCODE -15" in proc.stdout, proc.stdout + proc.stderr[-3000:]

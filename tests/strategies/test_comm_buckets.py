@@ -1,11 +1,7 @@
 """FP8 error feedback follows the parameters when DDP rebuilds its gradient buckets (it does after the first step:
 bucket 0 then holds other parameters than before)."""
 
-import socket
-
-import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from forge_lightning.strategies.comm.fp8_allreduce import fp8_all_reduce_
@@ -26,19 +22,6 @@ class _Bucket:
 
     def index(self) -> int:
         return 0
-
-
-@pytest.fixture
-def one_process_group():
-    if dist.is_initialized():
-        yield
-        return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    yield
-    dist.destroy_process_group()
 
 
 def test_residuals_are_kept_per_parameter_across_bucket_rebuilds(one_process_group):

@@ -16,8 +16,14 @@ A checkpoint is a directory (Lightning's ``ModelCheckpoint`` names it like a fil
 
 Why the layout may change on resume: megatron-core saves every tensor under a global key with its global shape
 (the layers stacked on a leading layer axis, each TP rank's shard a slice of it), and the optimizer state
-alongside the parameter it belongs to (the DistributedOptimizer in its ``fully_reshardable`` form). Loading asks
-for this run's slices of those global tensors, whatever layout wrote them.
+alongside the parameter it belongs to. Loading asks for this run's slices of those global tensors, whatever layout
+wrote them. The DistributedOptimizer's state has two forms (megatron-core's names):
+
+* ``dp_reshardable`` (the default, as in Megatron-LM): each rank writes its own contiguous shards, with no gather.
+  It resumes at another data-parallel size only; another TP / PP / VPP / CP / EP layout is refused by name.
+* ``fully_reshardable`` (``MegatronStrategy(dist_ckpt_optim_fully_reshardable=True)``, and every checkpoint of
+  format version 1): the state is gathered and saved like the parameters, so it resumes at any layout; the gather
+  runs through host memory (about 30 s for a 1B model with Adam on one H200).
 
 A composed model's encoder side (plain modules at TP = 1, replicated over the TP x DP group, see components.py)
 is stored under ``components.<name>.<parameter>`` as unsharded tensors whose replica id names TP rank 0 of DP rank
@@ -43,6 +49,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -56,9 +63,10 @@ from typing_extensions import override
 from forge_lightning.atomic_io import old_sibling, replace
 from forge_lightning.contracts import MegatronTwin, experts_apart
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
+from forge_lightning.strategies.distributed_checkpoint import CHECKPOINT_WRITERS
 
 FORMAT = "forge-megatron-dist-checkpoint"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: meta.pt names the DistributedOptimizer's state form (1: always fully_reshardable)
 META_FILE = "meta.pt"
 CONFIG_FILE = "config.json"
 MEGATRON_METADATA_FILE = "metadata.json"  # written last by megatron-core's dist_checkpointing.save
@@ -68,8 +76,17 @@ COMPONENTS_KEY = "components"  # a composed model's encoder side (sharded state 
 CALLBACKS_KEY = "callbacks"  # callbacks' per-parameter state (sharded state dict entry, tensor key prefix)
 HF_CONFIG_KEY = "hf_config"  # written as config.json
 INFO_KEY = "megatron"  # format, layout and optimizer kind, kept in meta.pt
-# The DistributedOptimizer's reshardable form: each parameter's state saved like the parameter itself.
-_OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
+# The DistributedOptimizer's state forms (see the module docstring); version 1 always wrote the second.
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
+# The degrees a dp_reshardable optimizer state must be resumed at (its buffers are laid out by them).
+_MODEL_PARALLEL_DEGREES = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "context_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
 
 
 # ----------------------------------------------------------------------------------------------- state dicts
@@ -82,12 +99,19 @@ def inner_chunk(chunk: nn.Module) -> nn.Module:
     return chunk.module if isinstance(chunk, DistributedDataParallel) else chunk
 
 
+def optimizer_sharding(meta: Mapping[str, Any]) -> str:
+    """The form the DistributedOptimizer's state was saved in, from a checkpoint's ``meta.pt``."""
+    info = meta.get(INFO_KEY, {})
+    return info.get("optimizer_sharding") or FULLY_RESHARDABLE
+
+
 def sharded_state_dict(
     chunks: Sequence[nn.Module],
     optimizer: Any | None,
     *,
     is_loading: bool,
     components: Mapping[str, nn.Module] | None = None,
+    optimizer_sharding: str = DP_RESHARDABLE,
 ) -> dict[str, Any]:
     """The sharded state dict of this rank's model chunks, a composed model's encoder side and (optionally)
     megatron's optimizer.
@@ -98,6 +122,8 @@ def sharded_state_dict(
         is_loading: build the template to load into (allocates optimizer state not yet created).
         components: a composed model's encoder-side modules by component name (plain modules, replicated on
             every rank of the TP x DP group; see components.py).
+        optimizer_sharding: the DistributedOptimizer's state form, ``dp_reshardable`` or ``fully_reshardable``
+            (to load: the checkpoint's, see :func:`optimizer_sharding`).
 
     Returns:
         ``{"model0": ..., "model1": ..., "components": ..., "optimizer": ...}``. The nesting only names this rank's
@@ -116,7 +142,7 @@ def sharded_state_dict(
             _describe_sgd_state(optimizer)
         # Adam's moments (and fp32 main weights) are matched to the parameters of `state`, so the encoder side's
         # are saved and resharded like its parameters.
-        state["optimizer"] = _optimizer_state(optimizer, state, is_loading)
+        state["optimizer"] = _optimizer_state(optimizer, state, is_loading, optimizer_sharding)
     return state
 
 
@@ -172,7 +198,9 @@ def _replicated(module: nn.Module, name: str) -> dict[str, Any]:
     return make_sharded_tensors_for_checkpoint(module.state_dict(keep_vars=True), f"{COMPONENTS_KEY}.{name}.")
 
 
-def _optimizer_state(optimizer: Any, model_state: dict[str, Any], is_loading: bool) -> dict[str, Any]:
+def _optimizer_state(
+    optimizer: Any, model_state: dict[str, Any], is_loading: bool, sharding: str
+) -> dict[str, Any]:
     """``optimizer.sharded_state_dict``, except for a bf16 optimizer that also steps fp32 parameters (see
     :func:`_mixed_float16_state`)."""
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params
@@ -185,7 +213,7 @@ def _optimizer_state(optimizer: Any, model_state: dict[str, Any], is_loading: bo
     ]
     if not mixed:
         return optimizer.sharded_state_dict(
-            model_state, is_loading=is_loading, metadata=dict(_OPTIMIZER_METADATA)
+            model_state, is_loading=is_loading, metadata={"distrib_optim_sharding_type": sharding}
         )
     if len(members) > 1:
         raise NotImplementedError(
@@ -320,15 +348,17 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any]) -> None:
     * it gives every parameter the *same* ``step`` tensor, which torch's Adam then increments once per parameter
       in each step (a wrong bias correction from the first step after a resume): each gets its own copy here;
     * it copies the loaded state into every entry of Adam's state, ``step`` included, which the loaded state lacks
-      (it is kept per group): a ``KeyError: 'step'``. So the groups and steps load first, then the parameter state
-      with the ``step`` entries set aside.
+      (it is kept per group): a ``KeyError: 'step'`` in the ``fully_reshardable`` form. So the groups and steps
+      load first, then the parameter state (in the form it was saved in) with the ``step`` entries set aside.
     """
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
-    if (
-        not isinstance(optimizer, DistributedOptimizer)
-        or state.get("param_state_sharding_type") != (_OPTIMIZER_METADATA["distrib_optim_sharding_type"])
-    ):
+    loaders = {
+        FULLY_RESHARDABLE: "load_parameter_state_from_fully_reshardable",
+        DP_RESHARDABLE: "load_parameter_state_from_dp_reshardable",
+    }
+    sharding = state.get("param_state_sharding_type")
+    if not isinstance(optimizer, DistributedOptimizer) or sharding not in loaders:
         optimizer.load_state_dict(state)
         return
     state = dict(state)
@@ -338,7 +368,8 @@ def _load_optimizer(optimizer: Any, state: dict[str, Any]) -> None:
     inner = optimizer.optimizer.state
     steps = {param: entry.pop("step") for param, entry in inner.items() if "step" in entry}
     try:
-        optimizer.load_parameter_state_from_fully_reshardable(param_state)
+        with torch.no_grad():  # dp_reshardable's loader copies into views of leaves that require grad
+            getattr(optimizer, loaders[sharding])(param_state)
     finally:
         for param, step in steps.items():
             inner[param]["step"] = step.clone()
@@ -489,6 +520,33 @@ def check_expert_layout(path: Path, meta: Mapping[str, Any], degrees: Mapping[st
     )
 
 
+def check_optimizer_layout(path: Path, meta: Mapping[str, Any], degrees: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` when a DistributedOptimizer state saved ``dp_reshardable`` would resume at another
+    model-parallel layout: its buffers are laid out by TP / PP / VPP / CP / EP / ETP (only DP may change)."""
+    info = meta.get(INFO_KEY, {})
+    if not (info.get("optimizer") or {}).get("distributed") or optimizer_sharding(meta) != DP_RESHARDABLE:
+        return
+    saved, now = _model_parallel_degrees(info.get("layout") or {}), _model_parallel_degrees(degrees)
+    changed = [f"{k} {saved[k]} -> {now[k]}" for k in _MODEL_PARALLEL_DEGREES if saved[k] != now[k]]
+    if not changed:
+        return
+    raise ValueError(
+        f"{path} holds the distributed optimizer's state in its dp_reshardable form, which resumes at another "
+        f"data-parallel size only; this run changes {', '.join(changed)}. Resume at the checkpoint's layout "
+        "(and save with dist_ckpt_optim_fully_reshardable: true there, which resumes at any layout), or take its "
+        "weights only (forge validate / test --ckpt_path, or forge-convert megatron-to-hf and "
+        "model.init_args.pretrained)"
+    )
+
+
+def _model_parallel_degrees(layout: Mapping[str, Any]) -> dict[str, int]:
+    """The degrees of ``_MODEL_PARALLEL_DEGREES`` with megatron-core's defaults filled in (ETP: TP, others: 1)."""
+    tp = layout.get("tensor_model_parallel_size") or 1
+    return {
+        k: layout.get(k) or (tp if k == "expert_tensor_parallel_size" else 1) for k in _MODEL_PARALLEL_DEGREES
+    }
+
+
 def check_frozen(path: Path, meta: Mapping[str, Any], frozen: Sequence[str]) -> None:
     """Raise ``ValueError`` when the checkpoint's optimizer was written with other components frozen: it holds state
     for the trainable parameters only, so the optimizer does not resume across a change of freezing."""
@@ -552,13 +610,52 @@ def _fresh_directory(path: Path) -> None:
     path.mkdir(parents=True)
 
 
+def _start_results_queue_by_fork() -> None:
+    """megatron-core's writer processes report through a queue served by a multiprocessing Manager, which it starts
+    with ``spawn`` at the first save of a process: a new interpreter that imports the entry point again (5 s on a
+    CPU machine, once per run, which is the whole end of a short run). Started here with ``fork``, as megatron-core
+    starts the writer processes themselves. Skipped if megatron-core no longer keeps the queue in that global."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    if getattr(filesystem_async, "_results_queue", "absent") is None:
+        manager = SyncManager(ctx=multiprocessing.get_context("fork"))
+        manager.start(initializer=_default_signal_handlers)
+        filesystem_async._results_queue = manager.Queue()  # the queue's proxy keeps the manager alive
+
+
+def _default_signal_handlers() -> None:
+    """The default action for every signal a Python handler of the parent took over: a forked Manager would run them
+    itself (Lightning's SIGTERM handler broadcasts over the parent's process group, and would hang there)."""
+    for signum in signal.valid_signals():
+        if callable(signal.getsignal(signum)):
+            signal.signal(signum, signal.SIG_DFL)
+
+
 class MegatronCheckpointIO(CheckpointIO):
     """Lightning ``CheckpointIO`` writing megatron-core dist-checkpoints atomically (see the module docstring).
 
     Saving and loading are collective: every rank calls them. ``save_checkpoint`` takes Lightning's checkpoint
     dict whose ``state_dict`` entry is the sharded state dict of the model chunks and optimizer; ``hf_config``,
     if present, is written as ``config.json``; everything else goes to ``meta.pt``.
+
+    Args:
+        writers_per_rank: files each rank writes in parallel (megatron-core's ``torch_dist`` writer forks one
+            process per file); more suit parallel file systems, one suits a single slow disk.
     """
+
+    def __init__(self, writers_per_rank: int = CHECKPOINT_WRITERS) -> None:
+        if writers_per_rank < 1:
+            raise ValueError(f"writers_per_rank must be at least 1, got {writers_per_rank}")
+        self.writers_per_rank = writers_per_rank
+
+    def _save_strategy(self) -> Any:
+        from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+        _start_results_queue_by_fork()
+        return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=self.writers_per_rank)
 
     @override
     def save_checkpoint(
@@ -576,7 +673,7 @@ class MegatronCheckpointIO(CheckpointIO):
         checkpoint[SHARDED_KEY] = {}  # Lightning expects the key; the weights are in the dist-checkpoint
         checkpoint[INFO_KEY] = {**checkpoint.get(INFO_KEY, {}), "format": FORMAT, "version": FORMAT_VERSION}
         _on_rank_zero(lambda: _fresh_directory(tmp), f"create {tmp}")
-        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=("torch_dist", 1))
+        dist_checkpointing.save(sharded, str(tmp), sharded_strategy=self._save_strategy())
 
         def write_meta() -> None:
             atomic_torch_save(checkpoint, tmp / META_FILE)

@@ -111,6 +111,11 @@ class MegatronStrategy(ParallelStrategy):
         use_distributed_optimizer: shard optimizer state and fp32 main weights over data-parallel ranks.
         overlap_grad_reduce: overlap the gradient reduce(-scatter) with backward (bucketed).
         overlap_param_gather: overlap the DistributedOptimizer's parameter all-gather with the next forward.
+        dist_ckpt_optim_fully_reshardable: save the DistributedOptimizer's state in megatron-core's
+            ``fully_reshardable`` form, which resumes at any TP / PP / VPP / CP / EP / DP layout, instead of
+            ``dp_reshardable`` (each rank writes its own shards, no gather; resumes at another DP size only). The
+            gather runs through host memory: about 30 s more per save for a 1B model on one H200.
+        checkpoint_writers: files each rank writes in parallel (megatron-core's writer forks one process per file).
         use_transformer_engine: TE layer spec (``None``: when TE is importable).
         components: per-component settings, ``{name: {tensor_model_parallel_size, recompute, freeze}}`` for
             components of the module's ``parallel_plan()``; a composed model (encoder -> projector -> LLM) runs its
@@ -144,6 +149,8 @@ class MegatronStrategy(ParallelStrategy):
         use_distributed_optimizer: bool = False,
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
+        dist_ckpt_optim_fully_reshardable: bool = False,
+        checkpoint_writers: int = ckpt.CHECKPOINT_WRITERS,
         use_transformer_engine: bool | None = None,
         components: dict[str, dict[str, Any]] | None = None,
         process_group_backend: str | None = None,
@@ -164,6 +171,10 @@ class MegatronStrategy(ParallelStrategy):
             overlap_param_gather=overlap_param_gather,
         )
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.optimizer_sharding = (
+            ckpt.FULLY_RESHARDABLE if dist_ckpt_optim_fully_reshardable else ckpt.DP_RESHARDABLE
+        )
+        self.checkpoint_writers = checkpoint_writers
         self.use_transformer_engine = use_transformer_engine
         self.components = components
         self._components: Components | None = None
@@ -490,7 +501,7 @@ class MegatronStrategy(ParallelStrategy):
     @override
     def checkpoint_io(self) -> CheckpointIO:
         if self._checkpoint_io is None:
-            self._checkpoint_io = MegatronCheckpointIO()
+            self._checkpoint_io = MegatronCheckpointIO(writers_per_rank=self.checkpoint_writers)
         return self._checkpoint_io
 
     @checkpoint_io.setter
@@ -535,7 +546,13 @@ class MegatronStrategy(ParallelStrategy):
         checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
         parts = self._components
         encoders = parts.encoder_modules()
-        sharded = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=False, components=encoders)
+        sharded = ckpt.sharded_state_dict(
+            self._chunks,
+            optimizer,
+            is_loading=False,
+            components=encoders,
+            optimizer_sharding=self.optimizer_sharding,
+        )
         if checkpoint.get("callbacks"):  # their per-parameter state (EMA's average) is saved sharded, too
             shards = callback_state.parameter_shards(self._chunks, encoders)
             checkpoint["callbacks"], taken = callback_state.take_callback_state(
@@ -549,6 +566,7 @@ class MegatronStrategy(ParallelStrategy):
             "layout": {**self.dims.as_dict(), "data_parallel_size": self.data_parallel_size},
             "world_size": self.world_size,
             "optimizer": self._optimizer_kind() if optimizer is not None else None,
+            "optimizer_sharding": self.optimizer_sharding,
             "frozen": parts.frozen(),
         }
         self.checkpoint_io.save_checkpoint(checkpoint, path)
@@ -565,9 +583,16 @@ class MegatronStrategy(ParallelStrategy):
         if optimizer is not None:
             ckpt.check_optimizer_kind(path, meta, self._optimizer_kind())
             ckpt.check_expert_layout(path, meta, self.dims.as_dict())
+            ckpt.check_optimizer_layout(path, meta, self.dims.as_dict())
             ckpt.check_frozen(path, meta, parts.frozen())
         encoders = parts.encoder_modules()
-        template = ckpt.sharded_state_dict(self._chunks, optimizer, is_loading=True, components=encoders)
+        template = ckpt.sharded_state_dict(
+            self._chunks,
+            optimizer,
+            is_loading=True,
+            components=encoders,
+            optimizer_sharding=ckpt.optimizer_sharding(meta),
+        )
         # Callbacks' per-parameter state (EMA's average) loads into what the live callbacks hold now: Lightning
         # restores after setup and on_fit_start here, so they have built it, named and shaped like this run's.
         live = {cb.state_key: cb.state_dict() for cb in self.lightning_module.trainer.callbacks}
