@@ -17,6 +17,7 @@ from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
 from typing_extensions import override
 
+from forge_lightning.callbacks.guard import NonFiniteGuard
 from forge_lightning.callbacks.progress import StepProgressBar
 from forge_lightning.callbacks.summary import ForgeModelSummary
 from forge_lightning.contracts import StrategyTraits, deferred_pretrained, traits_of
@@ -30,7 +31,8 @@ class ForgeCLI(LightningCLI):
 
     Adds top-level ``optimizer``, ``scheduler`` and ``performance`` sections (linked into the model), a progress bar
     counting optimizer steps (:class:`StepProgressBar`), a model summary without uncounted FLOPs
-    (:class:`ForgeModelSummary`) and atomic, ``weights_only`` checkpoint I/O by default.
+    (:class:`ForgeModelSummary`), a guard that skips optimizer steps with a non-finite loss or gradients
+    (:class:`NonFiniteGuard`) and atomic, ``weights_only`` checkpoint I/O by default.
     """
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
@@ -92,6 +94,8 @@ class ForgeCLI(LightningCLI):
         callbacks = list(callbacks)
         configured = config.get("callbacks") or []
         present = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
+        if not _has(present, NonFiniteGuard):
+            callbacks.append(NonFiniteGuard())
         if not config.get("barebones"):  # barebones refuses progress bars and summaries
             if config.get("enable_progress_bar", True) is not False and not _has(present, ProgressBar):
                 callbacks.append(StepProgressBar(leave=True))

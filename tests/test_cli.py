@@ -190,3 +190,35 @@ def test_registered_short_names_of_strategies_that_own_their_checkpoints_get_no_
     assert strategy_traits("fsdp2").owns_checkpoint_io and strategy_traits("megatron").owns_checkpoint_io
     for name in ("ddp_fp8", "auto", None):
         assert not strategy_traits(name).owns_checkpoint_io
+
+
+def test_a_diverging_run_stops_with_the_guards_error_and_exports_nothing(tiny_corpus, tmp_path):
+    """lr 1e3: the loss turns NaN within a few steps; forge's default NonFiniteGuard leaves those steps out, stops
+    after max_consecutive of them with a non-zero exit and the newest checkpoint's name, and no export is written."""
+    args = ["fit", "--config", str(TINY_YAML), *_data_args(tiny_corpus), "--optimizer.lr", "1e3"]
+    args += [
+        "--trainer.max_steps",
+        "40",
+        "--trainer.val_check_interval",
+        "40",
+        "--trainer.limit_val_batches",
+        "0",
+    ]
+    args += ["--trainer.callbacks+=forge_lightning.callbacks.HFExport", "--trainer.callbacks.dirpath", "hf"]
+    guard = "{class_path: forge_lightning.callbacks.NonFiniteGuard, init_args: {max_consecutive: 3}}"
+    args += [f"--trainer.callbacks+={guard}"]
+    proc = subprocess.run(
+        [sys.executable, "-m", "forge_lightning", *args],
+        cwd=tmp_path,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "NonFiniteGuard: 3 optimizer steps in a row had a non-finite loss or gradients" in output, output[
+        -3000:
+    ]
+    assert "not applied" in output and "Lower optimizer.lr" in output
+    assert not (tmp_path / "hf").exists()

@@ -1,10 +1,11 @@
 """Callbacks: throughput and MFU, text samples, Hugging Face export, validation summaries, closed-loop evaluation,
-and the progress bar and model summary ``forge`` uses by default."""
+and the progress bar, model summary and non-finite guard ``forge`` uses by default."""
 
 from forge_lightning.callbacks.closed_loop import ClosedLoopEval
 from forge_lightning.callbacks.exact_match import GenerationMetric
 from forge_lightning.callbacks.export import HFExport
 from forge_lightning.callbacks.generation import TextPredictionWriter, TextSample
+from forge_lightning.callbacks.guard import NonFiniteGuard
 from forge_lightning.callbacks.progress import StepProgressBar, StepTQDMProgressBar
 from forge_lightning.callbacks.summary import ForgeModelSummary
 from forge_lightning.callbacks.throughput import ThroughputMonitor
@@ -15,6 +16,7 @@ __all__ = [
     "ForgeModelSummary",
     "GenerationMetric",
     "HFExport",
+    "NonFiniteGuard",
     "StepProgressBar",
     "StepTQDMProgressBar",
     "TextPredictionWriter",

@@ -9,6 +9,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from forge_lightning.callbacks.guard import check_finite_weights
 from forge_lightning.contracts import TextData
 
 
@@ -29,6 +30,7 @@ class HFExport(Callback):
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        check_finite_weights(trainer, pl_module, "Hugging Face export")
         root = trainer.log_dir or trainer.default_root_dir
         out = Path(self.dirpath or os.path.join(root, "hf"))
         pl_module.save_pretrained(out, overwrite=True)

@@ -58,6 +58,14 @@ class TunedModule(Protocol):
 
 
 @runtime_checkable
+class StepLoss(Protocol):
+    """A module that gives, before the optimizer step, this rank's ``[loss sum, item count]`` of the step's
+    micro-batches (``None`` when none were recorded): the non-finite guard checks the step's loss from them."""
+
+    def step_loss_sums(self) -> Tensor | None: ...
+
+
+@runtime_checkable
 class GenerativeModule(Protocol):
     """A module that continues token sequences (greedy or sampled, with a KV cache)."""
 

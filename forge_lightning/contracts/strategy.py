@@ -13,6 +13,8 @@ their behaviour (the whole world is data-parallel, the module's own state dict i
     TrainedParameters        trained_parameters()                        callbacks that average or write the trained
                                                                          weights in place (EMA), their checkpoints
     ParameterResync          parameters_changed()                        callbacks that write parameters (EMA)
+    GradientGate             nonfinite_gradients(optimizer),             the non-finite guard: check the step's
+                             skip_optimizer_step(optimizer)              gradients, leave the step unapplied
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dataclasses
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, runtime_checkable
 
+import torch
 from torch import Tensor, nn
 
 
@@ -159,3 +162,49 @@ class ParameterResync(Protocol):
     reconstruction): code that writes parameters outside the optimizer tells it."""
 
     def parameters_changed(self) -> None: ...
+
+
+@runtime_checkable
+class GradientGate(Protocol):
+    """A strategy whose gradients are not the parameters' ``.grad`` (megatron-core's gradient buffers), or whose
+    optimizer step is its own: it counts the step's non-finite gradients and can leave the step unapplied."""
+
+    def nonfinite_gradients(self, optimizer: Any) -> Tensor:
+        """This rank's number of gradient tensors holding NaN / inf (a 0-d tensor; no host sync)."""
+        ...
+
+    def skip_optimizer_step(self, optimizer: Any) -> None:
+        """Leave the coming optimizer step unapplied: weights and optimizer state unchanged."""
+        ...
+
+
+def _optimizer_parameters(optimizer: Any) -> list[Tensor]:
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+    return [p for group in inner.param_groups for p in group["params"]]
+
+
+def nonfinite_gradients(strategy: Any, optimizer: Any) -> Tensor:
+    """This rank's number of gradients with NaN / inf: the strategy's (:class:`GradientGate`), or those of the
+    optimizer's parameters (a DTensor's local shard)."""
+    if isinstance(strategy, GradientGate):
+        return strategy.nonfinite_gradients(optimizer)
+    from torch.distributed.tensor import DTensor
+
+    grads = [p.grad for p in _optimizer_parameters(optimizer) if p.grad is not None]
+    local = [g.to_local() if isinstance(g, DTensor) else g for g in grads]
+    if not local:
+        return torch.zeros((), device=strategy.root_device)
+    flags = [~torch.isfinite(g).all() for g in local if g.numel()]
+    return torch.stack(flags).sum().float() if flags else torch.zeros((), device=strategy.root_device)
+
+
+def skip_optimizer_step(strategy: Any, optimizer: Any) -> None:
+    """Leave the coming optimizer step unapplied: the strategy's way (:class:`GradientGate`), or the parameters'
+    gradients dropped (torch's optimizers step only parameters that have one, so nothing changes)."""
+    if isinstance(strategy, GradientGate):
+        strategy.skip_optimizer_step(optimizer)
+        return
+    for parameter in _optimizer_parameters(optimizer):
+        parameter.grad = None

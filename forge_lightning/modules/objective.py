@@ -85,6 +85,10 @@ class GlobalBatchLoss:
         sums = sums.detach().double()
         self._train = sums if self._train is None else self._train + sums
 
+    def pending_train(self) -> Tensor | None:
+        """This rank's ``[loss sum, count]`` of the current step so far (``None``: nothing recorded yet)."""
+        return self._train
+
     def record_eval(self, sums: Tensor) -> None:
         """Add ``[loss sum, count]`` of this rank's evaluation batches to the current evaluation's."""
         sums = sums.detach().double()

@@ -304,6 +304,9 @@ class MixerClassifier(pl.LightningModule):
         return self.objective.training_loss(self, batch, loss_sum, count)
 
     @override
+    def step_loss_sums(self) -> Tensor | None:
+        return self.objective.pending_train()
+
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.objective.log_train(self)
 
@@ -372,6 +375,8 @@ class MixerData(StepDataModule):
         num_patches, patch_dim, num_classes: sample shape (must match the model's config).
         unlabelled: fraction of samples without a label (``IGNORE_INDEX``).
         seed: seed of the samples and of the per-epoch order.
+        nan_sample: a training sample whose patches are NaN (the step holding it has a NaN loss and gradients on
+            the rank that reads it: the non-finite guard must leave that step out on every rank).
     """
 
     label_key = "labels"  # step_tokens counts the labelled samples
@@ -388,8 +393,10 @@ class MixerData(StepDataModule):
         unlabelled: float = 0.25,
         seed: int = 0,
         num_workers: int = 0,
+        nan_sample: int | None = None,
     ) -> None:
         super().__init__(batch_size=batch_size, seed=seed, num_workers=num_workers, pin_memory=False)
+        self.nan_sample = nan_sample
         if not 0.0 <= unlabelled < 1.0:
             raise ValueError(f"unlabelled ({unlabelled}) must be in [0, 1)")
         self.num_train, self.num_val = num_train, num_val
@@ -402,6 +409,8 @@ class MixerData(StepDataModule):
         self.train_dataset = RandomPatches(
             self.num_train, **shape, unlabelled=self.unlabelled, seed=self.seed + 1
         )
+        if self.nan_sample is not None:
+            self.train_dataset.patches_NPF[self.nan_sample] = float("nan")
         self.val_dataset = RandomPatches(
             self.num_val, **shape, unlabelled=self.unlabelled, seed=self.seed + 2
         )

@@ -1,7 +1,8 @@
 """The contracts are enough: a family that is not a language model (the MLP-Mixer of mixer.py, with its own megatron
 twin in mixer_twin.py) trains under DDP, FSDP2 (DP and TP) and MegatronStrategy (TP = 2, and DP = 2 with the
 distributed optimizer) on 2 CPU processes to the losses and weights of one process, with no change under
-``forge_lightning/strategies/``.
+``forge_lightning/strategies/``; with a NaN training sample, every strategy leaves the same step out as one process
+(the non-finite guard).
 
 One reference ``forge fit`` on 1 process (global batch 8 = 2 micro-batches of 4, a quarter of the samples unlabelled,
 so micro-batches hold different numbers of labelled samples), and one 2-process worker (worker.py) running every other
@@ -10,6 +11,7 @@ case through the same CLI and YAML in the same processes. fp32, 3 steps, AdamW w
 
 import ast
 import csv
+import math
 import os
 import subprocess
 import sys
@@ -42,27 +44,28 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    """Run the reference and the worker (at the same time: the reference is one process) and return their folder."""
+    """Run the references (one process each, one after the other) while the worker runs; return their folder."""
     pytest.importorskip("megatron.core")
     out = tmp_path_factory.mktemp("family")
     env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([str(HERE), env.get("PYTHONPATH", "")]))
-    reference = [sys.executable, "-m", "forge_lightning", "fit", "--config", str(YAML)]
-    reference += [
-        "--trainer.logger.init_args.save_dir",
-        str(out),
-        "--trainer.logger.init_args.name",
-        "reference",
-    ]
     worker = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     worker += ["--master-port", str(_free_port()), str(HERE / "worker.py"), str(out), *CASES]
-    procs = [
-        subprocess.Popen(cmd, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for cmd in (reference, worker)
-    ]
-    for proc in procs:
-        output, _ = proc.communicate(timeout=300)
-        assert proc.returncode == 0, output[-8000:]
+    running = subprocess.Popen(
+        worker, cwd=out, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    for name, extra in (("reference", []), ("reference_nan", ["--data.init_args.nan_sample", "5"])):
+        reference = [sys.executable, "-m", "forge_lightning", "fit", "--config", str(YAML), *extra]
+        reference += [
+            "--trainer.logger.init_args.save_dir",
+            str(out),
+            "--trainer.logger.init_args.name",
+            name,
+        ]
+        proc = subprocess.run(reference, cwd=out, env=env, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-8000:]
+    output, _ = running.communicate(timeout=300)
+    assert running.returncode == 0, output[-8000:]
     return out
 
 
@@ -143,6 +146,27 @@ def test_megatron_does_not_decay_an_embedding_table(runs):
     train = _deltas(runs, "megatron_position", "ddp_position", "train/loss")
     assert max(train.values()) <= LOSS_TOL, train
     assert _weight_delta(runs, "megatron_position", "ddp_position") <= WEIGHT_TOL
+
+
+@pytest.mark.parametrize("name", ["ddp_nan", "fsdp2_nan", "megatron_tp2_nan", "megatron_dp2_nan"])
+def test_a_nan_sample_on_one_rank_leaves_its_step_out_everywhere(runs, name):
+    """The NaN sample reaches one rank (or both TP ranks of one data rank): every rank skips that step (one decision,
+    all-reduced), so the losses of the other steps and the trained weights equal one process's with the same
+    sample."""
+    got, want = (
+        _column(_metrics(runs, name), "train/loss"),
+        _column(_metrics(runs, "reference_nan"), "train/loss"),
+    )
+    assert sorted(got) == sorted(want) == STEPS, (got, want)
+    bad = [s for s in STEPS if math.isnan(want[s])]
+    assert len(bad) == 1 and math.isnan(got[bad[0]]), (got, want)
+    assert max(abs(got[s] - want[s]) for s in STEPS if s not in bad) <= LOSS_TOL, (got, want)
+    skipped = _column(_metrics(runs, name), "train/skipped_steps")
+    assert skipped[STEPS[-1]] == 1 and skipped[bad[0]] == 1, skipped
+    assert _weight_delta(runs, name, "reference_nan") <= WEIGHT_TOL
+    start, end = _weights(runs, name, "weights_start.pt"), _weights(runs, name)
+    assert all(torch.isfinite(t).all() for t in end.values())
+    assert min((end[k] - start[k]).abs().max().item() for k in end) > 1e-3  # the other steps trained
 
 
 # ----------------------------------------------------------------------------------------------- in process

@@ -30,6 +30,7 @@ MEGATRON = ["--trainer.strategy", "forge_lightning.strategies.megatron.MegatronS
 TP2 = ["--trainer.strategy.tensor_model_parallel_size", "2"]
 CHECKPOINT = "{out}/ckpt_megatron_tp2/epoch=0-step=3.ckpt"
 POSITION = ["--model.init_args.config", '{"position_embedding": true}']
+NAN = ["--data.init_args.nan_sample", "5"]
 
 
 def batch(size: int) -> list[str]:
@@ -77,6 +78,14 @@ CASES: dict[str, tuple[str, list[str]]] = {
     # With an nn.Embedding table: natively (DDP) it is not decayed; see test_contract_family.py.
     "ddp_position": ("fit", [*DDP, *POSITION, *batch(2)]),
     "megatron_position": ("fit", [*MEGATRON, *TP2, *POSITION, *batch(4)]),
+    # A NaN training sample (read by one rank): the non-finite guard leaves its step out everywhere.
+    "ddp_nan": ("fit", [*DDP, *NAN, *batch(2)]),
+    "fsdp2_nan": ("fit", [*FSDP2, "--trainer.strategy.data_parallel_size", "2", *NAN, *batch(2)]),
+    "megatron_tp2_nan": ("fit", [*MEGATRON, *TP2, *NAN, *batch(4)]),
+    "megatron_dp2_nan": (
+        "fit",
+        [*MEGATRON, "--trainer.strategy.use_distributed_optimizer", "true", *NAN, *batch(2)],
+    ),
     "bad_megatron_pp2": ("fit", [*MEGATRON, "--trainer.strategy.pipeline_model_parallel_size", "2"]),
     "bad_megatron_kernel": ("fit", [*MEGATRON, *TP2, "--performance.kernels.rms_norm", "triton"]),
     "bad_megatron_checkpoint_config": (

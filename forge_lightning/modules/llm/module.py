@@ -284,6 +284,10 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
         )
         return moe.aux_loss_coef * router.aux_loss + moe.z_loss_coef * router.z_loss
 
+    def step_loss_sums(self) -> torch.Tensor | None:
+        """This rank's ``[loss sum, tokens]`` of the coming optimizer step (:class:`~forge_lightning.contracts.StepLoss`)."""
+        return self.objective.pending_train()
+
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._update_expert_bias()

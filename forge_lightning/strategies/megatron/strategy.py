@@ -185,6 +185,7 @@ class MegatronStrategy(ParallelStrategy):
         self._parallel_ready = False
         self._chunks: list[nn.Module] = []
         self._pending: list[dict[str, torch.Tensor]] = []
+        self._skip_step = False
         self._bf16 = False
 
     # ----- processes and parallel groups ------------------------------------------------------------------------
@@ -450,10 +451,30 @@ class MegatronStrategy(ParallelStrategy):
         trainer = self.lightning_module.trainer
         call._call_callback_hooks(trainer, "on_before_optimizer_step", optimizer)
         call._call_lightning_module_hook(trainer, "on_before_optimizer_step", optimizer)
+        if (
+            self._skip_step
+        ):  # a callback left the step unapplied (NonFiniteGuard); the next one zeroes the grads
+            self._skip_step = False
+            return False
         success, grad_norm, _ = optimizer.step()
         if grad_norm is not None:
             self.lightning_module.log("train/grad_norm", float(grad_norm), rank_zero_only=True)
         return success
+
+    def nonfinite_gradients(self, optimizer: Any) -> torch.Tensor:
+        """This rank's gradient buffers (megatron-core's DDP: the twin's chunks, a composed model's encoder side) that
+        hold NaN / inf (:class:`~forge_lightning.contracts.GradientGate`)."""
+        buffers = [
+            buffer.grad_data
+            for ddp in [*self._chunks, *self._components.encoder_ddp]
+            for buffer in [*ddp.buffers, *ddp.expert_parallel_buffers]
+        ]
+        flags = [~torch.isfinite(grads).all() for grads in buffers if grads.numel()]
+        return torch.stack(flags).sum().float() if flags else torch.zeros((), device=self.root_device)
+
+    def skip_optimizer_step(self, optimizer: Any) -> None:
+        """Leave the coming megatron optimizer step out (:class:`~forge_lightning.contracts.GradientGate`)."""
+        self._skip_step = True
 
     # ----- evaluation -------------------------------------------------------------------------------------------
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
