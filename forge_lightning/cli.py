@@ -15,6 +15,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
 from forge_lightning.callbacks.guard import NonFiniteGuard
@@ -23,6 +24,7 @@ from forge_lightning.callbacks.summary import ForgeModelSummary
 from forge_lightning.contracts import StrategyTraits, deferred_pretrained, traits_of
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig
 from forge_lightning.performance import PerformanceConfig
+from forge_lightning.resume import checkpoint_dirs, find_last_checkpoint, remove_stale_temporaries
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
 
 
@@ -75,6 +77,22 @@ class ForgeCLI(LightningCLI):
         configs as options. Here a checkpoint only supplies state: weights that do not fit the configured model
         fail to load with the mismatching names.
         """
+
+    @override
+    def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
+        """Before ``fit``, remove the temporaries of saves that were killed midway in the run's checkpoint folders
+        (global rank 0); ``--ckpt_path last`` becomes the run's newest complete last checkpoint across its
+        ``version_N`` folders (:mod:`forge_lightning.resume`), or an error listing where it looked."""
+        kwargs = super()._prepare_subcommand_kwargs(subcommand)
+        if subcommand == "fit" and rank_zero_only.rank == 0:
+            removed = remove_stale_temporaries(checkpoint_dirs(self.trainer))
+            if removed:
+                names = ", ".join(str(p) for p in removed[:3]) + (" ..." if len(removed) > 3 else "")
+                rank_zero_info(f"removed {len(removed)} temporary file(s) of interrupted saves: {names}")
+        if kwargs.get("ckpt_path") == "last":
+            kwargs["ckpt_path"] = str(find_last_checkpoint(self.trainer))
+            rank_zero_info(f"--ckpt_path last: {kwargs['ckpt_path']}")
+        return kwargs
 
     @override
     def instantiate_classes(self) -> None:

@@ -13,7 +13,7 @@ _KILLED_WRITER = r"""
 import sys, torch
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
 path = sys.argv[1]
-big = {"w": torch.zeros(64 * 1024 * 1024)}  # 256 MB: the save takes long enough to be killed mid-write
+big = {"state_dict": {"w": torch.zeros(64 * 1024 * 1024)}}  # 256 MB: the save takes long enough to be killed mid-write
 print("saving", flush=True)
 while True:
     atomic_torch_save(big, path)
@@ -22,7 +22,7 @@ while True:
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path):
     path = tmp_path / "last.ckpt"
-    atomic_torch_save({"step": torch.tensor(3)}, path)
+    atomic_torch_save({"state_dict": {"step": torch.tensor(3)}}, path)
     proc = subprocess.Popen(
         [sys.executable, "-c", _KILLED_WRITER, str(path)], stdout=subprocess.PIPE, text=True
     )
@@ -30,7 +30,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path):
     time.sleep(0.3)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
-    loaded = AtomicCheckpointIO().load_checkpoint(path)
+    loaded = AtomicCheckpointIO().load_checkpoint(path)["state_dict"]
     # Either the previous checkpoint or a complete new one: never a torn file.
     assert set(loaded) in ({"step"}, {"w"})
     if "step" in loaded:
@@ -49,6 +49,10 @@ def test_load_refuses_pickled_code_and_missing_files(tmp_path):
     torn.write_bytes(torn.read_bytes()[:100])
     with pytest.raises(RuntimeError, match="is corrupt"):
         AtomicCheckpointIO().load_checkpoint(torn)
+    plain = tmp_path / "plain.pt"
+    torch.save({"layer.weight": torch.ones(2)}, plain)
+    with pytest.raises(ValueError, match="is a plain state dict, not a training checkpoint"):
+        AtomicCheckpointIO().load_checkpoint(plain)
 
 
 class _Holder(Callback):

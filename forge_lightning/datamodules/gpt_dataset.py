@@ -22,7 +22,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from forge_lightning.datamodules.indexed import IndexedDataset
+from forge_lightning.datamodules.indexed import IndexedDataset, IndexedDatasetError, bin_path
 
 
 class TokenSequenceDataset(Dataset):
@@ -45,6 +45,8 @@ class TokenSequenceDataset(Dataset):
         shuffle: Shuffle the documents of each epoch (off: every epoch keeps the ``documents`` order).
         reset_position_ids: Also return ``position_ids`` restarting at 0 at each document start inside a
             sample and ``document_ids`` numbering those documents 0, 1, ... (for packed attention).
+        vocab_size: When given, every token read is checked against it: an id outside ``0 .. vocab_size - 1``
+            (data tokenized with another tokenizer) raises :class:`IndexedDatasetError` naming the document.
     """
 
     def __init__(
@@ -58,6 +60,7 @@ class TokenSequenceDataset(Dataset):
         num_samples: int | None = None,
         shuffle: bool = True,
         reset_position_ids: bool = False,
+        vocab_size: int | None = None,
     ) -> None:
         if seq_length < 1:
             raise ValueError(f"seq_length must be positive, got {seq_length}")
@@ -66,6 +69,7 @@ class TokenSequenceDataset(Dataset):
         self.indexed = indexed
         self.seq_length = seq_length
         self.reset_position_ids = reset_position_ids
+        self.vocab_size = vocab_size
         self.documents = np.arange(len(indexed)) if documents is None else np.asarray(documents, np.int64)
         if self.documents.size and not (self.documents.min() >= 0 and self.documents.max() < len(indexed)):
             raise IndexError(f"documents must index the {len(indexed)} documents of {indexed.prefix}")
@@ -109,8 +113,24 @@ class TokenSequenceDataset(Dataset):
             lo, hi = max(start, doc_start), min(end, doc_end)
             if hi > lo:
                 document = int(self.document_order[position])
-                pieces.append(self.indexed.get(document, lo - doc_start, hi - lo))
+                piece = self.indexed.get(document, lo - doc_start, hi - lo)
+                if (
+                    self.vocab_size is not None
+                    and piece.size
+                    and not (int(piece.min()) >= 0 and int(piece.max()) < self.vocab_size)
+                ):
+                    self._refuse_token(document, piece, lo - doc_start)
+                pieces.append(piece)
         return pieces
+
+    def _refuse_token(self, document: int, piece: np.ndarray, offset: int) -> None:
+        at = int(np.argmax((piece >= self.vocab_size) | (piece < 0)))
+        raise IndexedDatasetError(
+            f"{bin_path(self.indexed.prefix)}: document {document} holds token id {int(piece[at])} at position "
+            f"{offset + at}, outside the tokenizer's vocabulary of {self.vocab_size}: the data was tokenized with "
+            "another tokenizer. Re-tokenize it with this run's (forge-data pretrain --tokenizer ...) or give "
+            "data.tokenizer the one it was made with"
+        )
 
 
 def _size_stream(

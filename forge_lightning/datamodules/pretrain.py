@@ -108,6 +108,7 @@ class PretrainDataModule(TokenDataModule):
             documents,
             seed=self.seed,
             reset_position_ids=self.reset_position_ids,
+            vocab_size=self.vocab_size,
         )
 
     def _blend(self, parts: list[Dataset], num_samples: int | None) -> Dataset:

@@ -90,9 +90,22 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} not found: pass an existing file to --ckpt_path")
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
+            checkpoint = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as err:  # torch raises several types for torn or foreign files
             raise RuntimeError(
                 f"could not load checkpoint {path}: {err}. The file is corrupt or was not written by forge-lightning "
                 "(only tensors and plain containers are accepted; no pickled code is ever loaded)."
             ) from err
+        if not isinstance(checkpoint, dict) or "state_dict" not in checkpoint:
+            what = (
+                "a plain state dict"
+                if isinstance(checkpoint, dict)
+                and all(isinstance(v, torch.Tensor) for v in checkpoint.values())
+                else f"a {type(checkpoint).__name__} without a 'state_dict' entry"
+            )
+            raise ValueError(
+                f"{path} is {what}, not a training checkpoint: --ckpt_path resumes (or validates) a checkpoint "
+                "that forge wrote during training. To start from weights, give the module a Hugging Face directory "
+                "(config.json + safetensors) as model.init_args.pretrained"
+            )
+        return checkpoint

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from forge_lightning.datamodules.gpt_dataset import BlendedDataset, TokenSequenceDataset, split_documents
-from forge_lightning.datamodules.indexed import IndexedDataset, IndexedDatasetWriter
+from forge_lightning.datamodules.indexed import IndexedDataset, IndexedDatasetError, IndexedDatasetWriter
 
 EOD = 0
 
@@ -197,3 +197,15 @@ def test_blend_errors():
         BlendedDataset(datasets, [1.0, 0.0], 10)
     with pytest.raises(ValueError, match=r"dataset 1 has 10 samples but .* needs 15"):
         BlendedDataset(datasets, [1, 3], 20)
+
+
+def test_a_token_outside_the_vocabulary_names_its_document(indexed):
+    """Token values are 1000 * (document + 1) + position: with a vocabulary of 5000, documents 4 and up are out."""
+    within = TokenSequenceDataset(indexed, 16, documents=np.arange(4), vocab_size=5000, shuffle=False)
+    assert all(int(within[i]["input_ids"].max()) < 5000 for i in range(len(within)))
+    beyond = TokenSequenceDataset(indexed, 16, documents=np.arange(3, 8), vocab_size=5000, shuffle=False)
+    with pytest.raises(
+        IndexedDatasetError, match=r"docs\.bin: document \d holds token id \d+ at position \d+, outside"
+    ):
+        for i in range(len(beyond)):
+            beyond[i]
