@@ -237,18 +237,26 @@ def read_conversations(path: str | Path, format: str = "auto") -> Iterator[Conve
     Raises:
         ChatFormatError: malformed JSON or record, naming ``file:line``.
     """
+    for record in read_records(path, format):
+        if isinstance(record, ChatFormatError):
+            raise record
+        yield record
+
+
+def read_records(path: str | Path, format: str = "auto") -> Iterator[Conversation | ChatFormatError]:
+    """Yield each record of a JSONL file as a conversation, or as the error (naming ``file:line``) that it cannot be
+    read: every line is looked at, so a checker can report all problems at once."""
     with open(path, encoding="utf-8") as stream:
         for line_number, line in enumerate(stream, start=1):
             if not line.strip():
                 continue
             source = f"{path}:{line_number}"
             try:
-                record = json.loads(line)
+                yield parse_record(json.loads(line), format, source)
             except json.JSONDecodeError as error:
-                raise ChatFormatError(
-                    f"{source}: malformed JSON ({error.msg} at column {error.colno})"
-                ) from None
-            yield parse_record(record, format, source)
+                yield ChatFormatError(f"{source}: malformed JSON ({error.msg} at column {error.colno})")
+            except ChatFormatError as error:
+                yield error
 
 
 # ------------------------------------------------------------------------------------------------ templates
@@ -443,13 +451,19 @@ class ChatEncoder:
     ) -> str:
         """Template text of the first ``upto`` messages (all by default)."""
         messages = conversation.messages if upto is None else conversation.messages[:upto]
-        return self.tokenizer.apply_chat_template(
-            messages,
-            tools=conversation.tools,
-            chat_template=self.template.source,
-            add_generation_prompt=generation_prompt,
-            tokenize=False,
-        )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                tools=conversation.tools,
+                chat_template=self.template.source,
+                add_generation_prompt=generation_prompt,
+                tokenize=False,
+            )
+        except Exception as error:  # jinja2's and transformers' own errors
+            raise ChatFormatError(
+                f"{conversation.source}: template {self.template.name!r} cannot render "
+                f"{'the conversation' if upto is None else f'its first {upto} message(s)'}: {error}"
+            ) from error
 
     def assistant_spans(self, conversation: Conversation) -> tuple[str, list[tuple[int, int]]]:
         """The full text and the character span ``[start, end)`` of each assistant turn in it.
@@ -460,6 +474,11 @@ class ChatEncoder:
         """
         full = self.render(conversation)
         spans = []
+        if conversation.assistant_turns[:1] == [0]:
+            raise ChatFormatError(
+                f"{conversation.source}: the conversation starts with an assistant turn; put a system or user "
+                "message (the prompt it answers) first"
+            )
         for i in conversation.assistant_turns:
             through = self.render(conversation, i + 1)
             before = self.render(conversation, i, generation_prompt=True)

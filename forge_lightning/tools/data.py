@@ -467,31 +467,58 @@ def quickstart(args: argparse.Namespace) -> None:
 
 
 def sft_check(args: argparse.Namespace) -> None:
-    """Print the first rendered chat samples of a file with their trained tokens highlighted."""
+    """Check every record of a chat file as training reads it (parsed, rendered with the template, tokenized, with
+    tokens to train on), print the first ``--num`` rendered samples with their trained tokens highlighted, and
+    report every problem with its ``file:line``."""
     from rich.text import Text
 
-    from forge_lightning.datamodules.chat import ChatEncoder, ChatFormatError, read_conversations
+    from forge_lightning.datamodules.chat import ChatEncoder, ChatFormatError, read_records
 
     tokenizer = load_tokenizer(args.tokenizer)
     try:
         encoder = ChatEncoder(tokenizer.backend, args.template, train_on=args.train_on)
-        conversations = read_conversations(args.check, args.format)
-        for k, conversation in zip(range(args.num), conversations):
-            encoded = encoder.encode(conversation)
-            text = Text()
-            for start, end, trained in encoded.segments:
-                piece = tokenizer.decode(encoded.tokens[start:end].tolist())
-                text.append(piece, style="bold black on green" if trained else "dim")
-            trained = int(encoded.trainable[1:].sum())
-            console.rule(
-                f"sample {k} ({conversation.source}): {len(encoded.tokens)} tokens, {trained} trained"
-            )
-            console.print(text)
     except (ChatFormatError, ValueError) as error:
         raise DataError(str(error)) from None
+    problems: list[str] = []
+    untrained: list[str] = []  # training skips these
+    records = shown = 0
+    for conversation in read_records(args.check, args.format):
+        records += 1
+        if isinstance(conversation, ChatFormatError):
+            problems.append(str(conversation))
+            continue
+        try:
+            encoded = encoder.encode(conversation)
+        except (ChatFormatError, ValueError) as error:
+            problems.append(str(error))
+            continue
+        trained = int(encoded.trainable[1:].sum())
+        if not trained:
+            untrained.append(conversation.source)
+        if shown < args.num:
+            text = Text()
+            for start, end, is_trained in encoded.segments:
+                piece = tokenizer.decode(encoded.tokens[start:end].tolist())
+                text.append(piece, style="bold black on green" if is_trained else "dim")
+            console.rule(
+                f"sample {shown} ({conversation.source}): {len(encoded.tokens)} tokens, {trained} trained"
+            )
+            console.print(text)
+            shown += 1
     console.print(
         f"template {encoder.template.name!r}, train_on {args.train_on!r}: trained tokens are highlighted"
     )
+    if untrained:
+        console.print(
+            f"{len(untrained)} record(s) have no token to train on (train_on {args.train_on!r}) and are skipped by "
+            f"training: {', '.join(untrained[:5])}{' ...' if len(untrained) > 5 else ''}"
+        )
+    if problems:
+        listed = "\n  ".join(problems[:50]) + (
+            f"\n  ... and {len(problems) - 50} more" if len(problems) > 50 else ""
+        )
+        raise DataError(f"{len(problems)} problem(s) in {records} records of {args.check}:\n  {listed}")
+    console.print(f"{records} records checked: all can be trained on")
 
 
 def build_sft_quickstart(

@@ -90,3 +90,34 @@ def test_the_sft_quickstart_config_parses(capsys):
         ForgeCLI(args=["fit", "--config", str(REPO / "configs/quickstart/sft.yaml"), "--print_config"])
     resolved = yaml.safe_load(capsys.readouterr().out)
     assert resolved["data"]["init_args"]["pack"] is True
+
+
+def test_sft_check_reports_every_bad_record_with_its_line(quickstart_data, capsys):
+    good = (quickstart_data / "train.jsonl").read_text().splitlines()[0]
+    lines = [
+        good,
+        '{"conversations": [{"from": "robot", "value": "x"}]}',
+        '{"messages": [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]}',
+        good,
+        '{"messages": [',
+    ]
+    mixed = quickstart_data / "mixed.jsonl"
+    mixed.write_text("\n".join(lines) + "\n")
+    with pytest.raises(SystemExit) as exit_info:
+        forge_data(["sft", "--check", str(mixed), "--tokenizer", str(quickstart_data / "tokenizer")])
+    message = str(exit_info.value)
+    assert "3 problem(s) in 5 records" in message, message
+    assert "mixed.jsonl:2: conversations[0]: unknown role 'robot'" in message
+    assert "mixed.jsonl:3: the conversation starts with an assistant turn" in message
+    assert "mixed.jsonl:5: malformed JSON" in message
+    assert capsys.readouterr().out.count("sample ") == 2  # the two good records are shown
+
+
+def test_training_names_the_record_a_template_cannot_render(quickstart_data, tmp_path):
+    bad = tmp_path / "assistant_first.jsonl"
+    bad.write_text('{"messages": [{"role": "assistant", "content": "hello"}]}\n')
+    data = SFTDataModule(str(bad), str(quickstart_data / "tokenizer"), seq_length=64, batch_size=1)
+    with pytest.raises(
+        ValueError, match=r"assistant_first\.jsonl:1: the conversation starts with an assistant"
+    ):
+        data.setup("fit")
