@@ -150,6 +150,10 @@ def test_fit_validate_predict_and_loggers(tiny_corpus, tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
     state = torch.load(ckpts[0], weights_only=True)["state_dict"]
     torch.testing.assert_close(hf.model.embed_tokens.weight, state["model.model.embed_tokens.weight"])
+    again = ["ckpt-to-hf", "--ckpt", str(ckpts[0]), "--output", str(tmp_path / "hf")]
+    with pytest.raises(SystemExit, match=r"hf exists and is not empty: .*forge-convert: --overwrite"):
+        forge_convert(again)
+    forge_convert([*again, "--overwrite"])
 
 
 def test_two_process_ddp_matches_one_process(tiny_corpus, tmp_path):

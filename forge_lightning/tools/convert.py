@@ -44,7 +44,8 @@ def ckpt_to_hf(args: argparse.Namespace) -> None:
         raise SystemExit(
             f"forge-convert: checkpoint does not match {class_name}: missing {missing}, unexpected {unexpected}"
         )
-    module.save_pretrained(Path(args.output), dtype=DTYPES[args.dtype] if args.dtype else None)
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    module.save_pretrained(Path(args.output), dtype=dtype, overwrite=args.overwrite)
     print(f"wrote {args.output}")
 
 
@@ -56,6 +57,7 @@ def _add_ckpt_to_hf(sub: argparse._SubParsersAction) -> None:
         "--module", default="forge_lightning.modules.llm.CausalLM", help="LightningModule class path"
     )
     p.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="cast weights before saving")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output directory")
     p.set_defaults(func=ckpt_to_hf)
 
 
@@ -149,7 +151,10 @@ def main(argv: list[str] | None = None) -> None:
     for add in COMMANDS:
         add(sub)
     args = parser.parse_args(argv)
-    args.func(args)
+    try:
+        args.func(args)
+    except FileExistsError as error:
+        raise SystemExit(f"forge-convert: {error}") from None
 
 
 if __name__ == "__main__":

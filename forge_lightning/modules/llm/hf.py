@@ -245,7 +245,10 @@ def save_pretrained(
     """
     out_dir = Path(out_dir)
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out_dir} exists and is not empty; pass overwrite=True to replace it")
+        raise FileExistsError(
+            f"{out_dir} exists and is not empty: choose another output directory, or replace it (forge-convert: "
+            "--overwrite; from Python: overwrite=True)"
+        )
     tensors = _export_tensors(model.state_dict() if state_dict is None else state_dict, config, dtype)
     saved_dtype = next(iter(tensors.values())).dtype
     hf_config = config.to_hf()
