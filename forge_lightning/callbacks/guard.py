@@ -166,16 +166,16 @@ class NonFiniteGuard(Callback):
 def check_finite_weights(trainer: Trainer, pl_module: LightningModule, what: str) -> None:
     """Raise ``RuntimeError`` naming the first parameters that hold NaN / inf, on every rank, when any rank's trained
     weights are not finite (collective: one all-reduce)."""
-    names = [
-        name
-        for name, tensor in trained_parameters(trainer.strategy, pl_module)
-        if not bool(torch.isfinite(_local(tensor)).all())
-    ]
-    count = torch.tensor([float(len(names))], device=trainer.strategy.root_device)
+    device = trainer.strategy.root_device
+    named = trained_parameters(trainer.strategy, pl_module)
+    flags = [(~torch.isfinite(_local(tensor))).any().to(device) for _, tensor in named]
+    bad = torch.stack(flags) if flags else torch.zeros(0, dtype=torch.bool, device=device)
+    count = bad.sum().reshape(1).float()
     if dist.is_available() and dist.is_initialized():
         dist.all_reduce(count)
-    if count.item() == 0:
+    if count.item() == 0:  # the one host sync
         return
+    names = [name for (name, _), flag in zip(named, bad.tolist(), strict=True) if flag]
     where = f" (here: {names[:3]})" if names else " (on another rank)"
     raise RuntimeError(
         f"not writing the {what}: the weights are not finite{where}. {_newest_checkpoint(trainer)} Resume from it "

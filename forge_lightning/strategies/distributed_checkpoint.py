@@ -35,8 +35,8 @@ from torch.distributed.tensor import DTensor
 from forge_lightning.atomic_io import replace
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
 
-# Files each rank writes in parallel. On one H200 machine's disk (fsync'd), 8.6 GB of GPU tensors through DCP: one
-# writer 0.50 GB/s, four 0.76 GB/s, eight 0.77 GB/s, sixteen 0.86 GB/s (dd: 0.87 GB/s).
+# Files each rank writes in parallel. On one H200 machine (benchmarks/results/run_endings.json), the 1B FSDP2 recipe's
+# last checkpoint (15.9 GB, fsync'd) was written at 0.49 GB/s by one writer and 0.71-0.87 GB/s by eight.
 CHECKPOINT_WRITERS = 8
 METADATA_FILE = "meta.pt"  # the name Lightning's ModelParallelStrategy uses, so either can read the other's
 _IN_DCP = "dcp:"  # meta.pt's stand-in for a callback tensor saved through DCP: this prefix + its DCP key
