@@ -22,12 +22,15 @@ import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from itertools import chain
 from multiprocessing import get_all_start_methods, get_context
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from rich.console import Console
@@ -221,28 +224,50 @@ def _ordered_pool(
     function: Callable, *, workers: int, initargs: tuple
 ) -> Iterator[Callable[[Iterable[tuple]], Iterator[tuple]]]:
     """Yield ``run(items)``, which yields ``(item, function(item[0]))`` in input order from ``workers``
-    processes (or this one when ``workers`` is 1)."""
+    processes (or this one when ``workers`` is 1).
+
+    The workers come from a fork server, not from ``fork`` of this process: a caller with threads (a progress
+    bar, a test runner, a Rust thread pool) can hold a lock at the moment of the fork, and the child then waits on
+    it forever. A worker that dies (killed for memory, say) raises :class:`DataError` instead of a silent hang.
+    """
     if workers <= 1:
         _init_worker(*initargs, in_pool=False)
         yield lambda items: ((item, function(item[0])) for item in items)
         return
-    # Processes are started before any progress-bar thread exists, as fork requires.
-    method = "fork" if "fork" in get_all_start_methods() else None
-    with get_context(method).Pool(workers, initializer=_init_worker, initargs=(*initargs, True)) as pool:
+    if "forkserver" in get_all_start_methods():
+        context = get_context("forkserver")
+        context.set_forkserver_preload([__name__])
+    else:
+        context = get_context("spawn")
+    pool = ProcessPoolExecutor(
+        workers, mp_context=context, initializer=_init_worker, initargs=(*initargs, True)
+    )
 
-        def run(items: Iterable[tuple]) -> Iterator[tuple]:
-            # Pool.imap would read the whole input ahead of the workers; a bounded window keeps memory flat.
-            pending: deque = deque()
-            for item in items:
-                pending.append((item, pool.apply_async(function, (item[0],))))
-                if len(pending) >= 2 * workers:
-                    item, result = pending.popleft()
-                    yield item, result.get()
-            while pending:
-                item, result = pending.popleft()
-                yield item, result.get()
+    def result_of(future: Future) -> Any:
+        try:
+            return future.result()
+        except BrokenProcessPool as error:
+            raise DataError(
+                f"a tokenizer worker process died ({error}); it may have been killed for memory: "
+                "run again with fewer --workers"
+            ) from error
 
+    def run(items: Iterable[tuple]) -> Iterator[tuple]:
+        # Pool.map would read the whole input ahead of the workers; a bounded window keeps memory flat.
+        pending: deque = deque()
+        for item in items:
+            pending.append((item, pool.submit(function, item[0])))
+            if len(pending) >= 2 * workers:
+                item, future = pending.popleft()
+                yield item, result_of(future)
+        while pending:
+            item, future = pending.popleft()
+            yield item, result_of(future)
+
+    try:
         yield run
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
 
 
 def tokenize_to_indexed(

@@ -1,6 +1,8 @@
 """`forge-data`: pretrain / train-tokenizer / quickstart end to end on small real corpora."""
 
 import json
+import operator
+import os
 import sysconfig
 import warnings
 from pathlib import Path
@@ -181,3 +183,19 @@ def test_corpus_is_deterministic_sorted_and_capped():
     assert sum(len(text.encode()) for _, text in small) <= 100_000
     assert not any(part in {"site-packages", "test", "tests"} for p in paths for part in p.split("/")[:-1])
     assert len({p.split("/")[0] for p in paths}) > 5  # spread over the library, not its alphabetical head
+
+
+def test_tokenizer_workers_are_not_forked_from_the_caller(corpus):
+    """Workers forked from a caller with threads can wait forever on a lock one of them held at the fork (a test
+    runner's or progress bar's thread): they come from a fork server instead, whose parent is not this process."""
+    initargs = (str(corpus["tokenizer"]), None)
+    with forge_data._ordered_pool(operator.call, workers=2, initargs=initargs) as run:
+        parents = {parent for _, parent in run([(os.getppid,)] * 4)}
+    assert os.getpid() not in parents
+
+
+def test_a_dead_tokenizer_worker_is_an_error_not_a_hang(corpus):
+    initargs = (str(corpus["tokenizer"]), None)
+    died = pytest.raises(forge_data.DataError, match="tokenizer worker process died.*fewer --workers")
+    with died, forge_data._ordered_pool(os._exit, workers=2, initargs=initargs) as run:
+        list(run([(3,)] * 4))
