@@ -70,10 +70,19 @@ def replace(tmp: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
     fsync_path(path.parent)
 
 
-def write_file(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None]) -> None:
+def write_file(
+    path: str | os.PathLike[str],
+    write: Callable[[IO[bytes]], None],
+    before_replace: Callable[[], None] | None = None,
+) -> None:
     """Write ``path`` atomically: ``write(stream)`` into a temporary sibling, then :func:`replace`.
 
     On any error the temporary file is removed and ``path`` is left as it was.
+
+    Args:
+        path: the target file.
+        write: writes the content into the open stream.
+        before_replace: called once the content is written, before the rename (e.g. to write its manifest).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -81,6 +90,8 @@ def write_file(path: str | os.PathLike[str], write: Callable[[IO[bytes]], None])
     try:
         with os.fdopen(fd, "wb") as stream:
             write(stream)
+        if before_replace is not None:
+            before_replace()
         replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

@@ -18,6 +18,8 @@ from pathlib import Path
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 
+from forge_lightning.manifest import sizes_match
+
 META_FILE = (
     "meta.pt"  # the sharded checkpoints' (DCP, megatron) own file, written before the rename into place
 )
@@ -40,11 +42,14 @@ def checkpoint_dirs(trainer: Trainer) -> list[Path]:
 
 
 def is_complete(path: Path) -> bool:
-    """Whether ``path`` is a finished checkpoint: a torch zip file, or a directory with its ``meta.pt``."""
+    """Whether ``path`` is a finished checkpoint: a torch zip file, or a directory with its ``meta.pt``, whose
+    manifest (if it has one) lists files that are all there at their sizes. The hashes are checked when it loads."""
     path = path.resolve()
     if path.is_dir():
-        return (path / META_FILE).is_file()
-    return path.is_file() and zipfile.is_zipfile(path)
+        finished = (path / META_FILE).is_file()
+    else:
+        finished = path.is_file() and zipfile.is_zipfile(path)
+    return finished and sizes_match(path) is not False
 
 
 def find_last_checkpoint(trainer: Trainer) -> Path:

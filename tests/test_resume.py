@@ -12,9 +12,11 @@ from pathlib import Path
 import lightning.pytorch as pl
 import pytest
 import torch
+from faults import overwrite_middle
 from lightning.pytorch.loggers import CSVLogger
 from procs import assert_clean_exit
 
+from forge_lightning import manifest
 from forge_lightning.resume import checkpoint_dirs, find_last_checkpoint, remove_stale_temporaries
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,6 +99,17 @@ def test_forge_fit_ckpt_path_last_resumes_the_previous_version(tiny_corpus, tmp_
         2,
         3,
     ]  # steps 0-1 were not redone
+
+    # The first case: 4 KiB overwritten in the middle of a checkpoint (same size) made `forge validate`
+    # exit 0 on NaN weights. Its manifest refuses it now, naming the file.
+    last = tmp_path / "runs" / "tiny" / "version_1" / "checkpoints" / "last.ckpt"
+    assert manifest.verify(last).ok
+    overwrite_middle(last)
+    args = ["validate", *_fit_args(tiny_corpus)[1:], "--ckpt_path", str(last)]
+    proc = _forge(args, tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert "last.ckpt: content changed" in output and "forge-convert verify" in output, output[-3000:]
 
 
 def test_a_plain_state_dict_as_ckpt_path_says_how_to_load_weights(tiny_corpus, tmp_path):

@@ -6,13 +6,14 @@ import copy
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 from lightning.pytorch.plugins.io import TorchCheckpointIO
 from typing_extensions import override
 
 from forge_lightning.atomic_io import write_file
+from forge_lightning.manifest import HashingWriter, sidecar, verify_before_load, write_file_manifest
 
 
 def host_copy(tree: Any) -> Any:
@@ -59,12 +60,29 @@ def _map_tensors(tree: Any, function: Callable[[torch.Tensor], torch.Tensor]) ->
     return tree
 
 
-def atomic_torch_save(obj: Any, path: str | os.PathLike) -> None:
+def atomic_torch_save(obj: Any, path: str | os.PathLike, *, manifest: bool = False) -> None:
     """Save ``obj`` with ``torch.save`` atomically and durably (:func:`forge_lightning.atomic_io.write_file`).
 
     A process killed at any point leaves either the previous file at ``path`` or the new one, never a torn file.
+
+    Args:
+        obj: what to save.
+        path: the target file.
+        manifest: also write its manifest beside it (:mod:`forge_lightning.manifest`), hashed as it is written.
     """
-    write_file(path, lambda stream: torch.save(obj, stream))
+    writers: list[HashingWriter] = []
+
+    def save(stream: IO[bytes]) -> None:
+        if manifest:
+            stream = HashingWriter(stream)
+            writers.append(stream)
+        torch.save(obj, stream)
+
+    def write_manifest() -> None:
+        if writers:
+            write_file_manifest(path, writers[0].record())
+
+    write_file(path, save, before_replace=write_manifest)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -77,7 +95,14 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} does not take storage_options, got {storage_options!r}")
-        atomic_torch_save(host_copy(checkpoint), path)
+        atomic_torch_save(host_copy(checkpoint), path, manifest=True)
+
+    @override
+    def remove_checkpoint(self, path: Any) -> None:
+        link, manifest = Path(path).is_symlink(), sidecar(path)
+        super().remove_checkpoint(path)
+        if not link:  # removing a link to a checkpoint leaves the checkpoint and its manifest
+            manifest.unlink(missing_ok=True)
 
     @override
     def load_checkpoint(
@@ -89,6 +114,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"checkpoint {path} not found: pass an existing file to --ckpt_path")
+        verify_before_load(path)
         try:
             checkpoint = torch.load(path, map_location=map_location, weights_only=True)
         except Exception as err:  # torch raises several types for torn or foreign files

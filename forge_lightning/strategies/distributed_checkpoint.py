@@ -2,7 +2,8 @@
 
 A checkpoint is a directory: DCP's shard files and ``.metadata`` for the model (``state_dict``) and each
 optimizer (``optimizer_0`` ...), plus ``meta.pt`` holding everything else Lightning saves (loop counters, the
-data loader position as plain ints, scheduler and callback states). DCP reshards on load, so a checkpoint
+data loader position as plain ints, scheduler and callback states), and ``forge-manifest.json`` with the size and
+hash of every file (each rank hashes the shards it wrote; :mod:`forge_lightning.manifest`), checked on load. DCP reshards on load, so a checkpoint
 written by N processes loads on M. The directory is written beside the target and renamed into place, so an
 interrupted save leaves the previous checkpoint intact.
 
@@ -33,6 +34,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from forge_lightning.atomic_io import replace
+from forge_lightning.manifest import verify_before_load_collective, write_directory_manifest_collective
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
 
 # Files each rank writes in parallel. On one H200 machine (benchmarks/results/run_endings.json), the 1B FSDP2 recipe's
@@ -74,6 +76,8 @@ def save_distributed_checkpoint(
     save(state, storage_writer=FileSystemWriter(tmp, thread_count=writers, sync_files=True))
     if is_global_zero:
         atomic_torch_save(checkpoint, tmp / METADATA_FILE)
+    barrier()
+    write_directory_manifest_collective(tmp, threads=writers)
     barrier()
     if is_global_zero:
         replace(tmp, path)
@@ -131,6 +135,7 @@ def load_distributed_checkpoint(
             f"{path} is not a sharded checkpoint directory (expected DCP's .metadata and {METADATA_FILE}); "
             "strategies with sharded checkpoints save and resume from directories"
         )
+    verify_before_load_collective(path)
     state = {"state_dict": get_model_state_dict(model)}
     load(state, checkpoint_id=path)
     set_model_state_dict(model, state["state_dict"])

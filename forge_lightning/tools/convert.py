@@ -4,7 +4,8 @@
 model with ``save_pretrained`` (e.g. ``CausalLM``) into a Hugging Face directory. ``forge-convert merge-lora --base HF_DIR --adapter DIR --output DIR`` folds a LoRA adapter
 into its base model and saves a full fp32 Hugging Face checkpoint. ``forge-convert hf-to-megatron`` /
 ``megatron-to-hf`` convert between Hugging Face and MegatronStrategy's megatron-core dist-checkpoints (megatron-core
-is imported only when one of them runs). Each command is one function in ``COMMANDS``.
+is imported only when one of them runs). ``forge-convert verify PATH`` checks a checkpoint or export against its
+manifest (:mod:`forge_lightning.manifest`). Each command is one function in ``COMMANDS``.
 """
 
 from __future__ import annotations
@@ -18,12 +19,16 @@ from typing import Any
 
 import torch
 
+from forge_lightning import manifest
+from forge_lightning.manifest import verify_before_load
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _load_lightning_checkpoint(path: Path) -> dict:
     if not path.is_file():
         raise SystemExit(f"forge-convert: checkpoint {path} not found")
+    verify_before_load(path)
     return torch.load(path, map_location="cpu", weights_only=True)
 
 
@@ -137,10 +142,37 @@ def _add_megatron(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=megatron_to_hf)
 
 
+def verify(args: argparse.Namespace) -> None:
+    """Check a checkpoint or export against its manifest; exit 1 naming each file that is missing or changed."""
+    path = Path(args.path)
+    if not path.exists():
+        raise SystemExit(f"forge-convert verify: {path} does not exist")
+    result = manifest.verify(path, threads=args.threads)
+    if result.manifest is None:
+        raise SystemExit(
+            f"forge-convert verify: {path} has no manifest ({manifest.manifest_of(path).name}): it was written "
+            "before forge-lightning wrote manifests, or by another tool, and cannot be verified"
+        )
+    for name in result.unlisted:
+        print(f"not covered by the manifest (not checked): {name}")
+    manifest.refuse_mismatch(path, result.problems)
+    print(
+        f"verified {path}: {result.checked} files, {result.bytes / 1e9:.2f} GB match {result.manifest.name}"
+    )
+
+
+def _add_verify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("verify", help="check a checkpoint or export against its manifest")
+    p.add_argument("path", help="checkpoint file or directory, or Hugging Face export directory")
+    p.add_argument("--threads", type=int, default=manifest.HASH_THREADS, help="files hashed at a time")
+    p.set_defaults(func=verify)
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_ckpt_to_hf,
     _add_merge_lora,
     _add_megatron,
+    _add_verify,
 ]
 
 
@@ -153,7 +185,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     try:
         args.func(args)
-    except FileExistsError as error:
+    except (FileExistsError, manifest.ManifestError) as error:
         raise SystemExit(f"forge-convert: {error}") from None
 
 

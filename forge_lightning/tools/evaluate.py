@@ -20,6 +20,7 @@ import torch
 import yaml
 
 from forge_lightning.sim.evaluate import EvalConfig, EvalReport, evaluate_policy, log_report
+from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
 
 _CALLBACK = "ClosedLoopEval"
 _FLAGS = {  # flag -> EvalConfig field
@@ -60,7 +61,7 @@ def load_policy(run_config: dict[str, Any], ckpt: str | Path, device: str) -> to
     if "model" not in run_config:
         raise ValueError("the config has no model section")
     model = build_model(run_config["model"])
-    checkpoint = torch.load(str(ckpt), map_location="cpu", weights_only=True)
+    checkpoint = AtomicCheckpointIO().load_checkpoint(ckpt, map_location="cpu")  # verified, weights only
     model.load_state_dict(checkpoint["state_dict"])
     model.on_load_checkpoint(checkpoint)
     return model.to(device).eval()

@@ -27,9 +27,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import free_port
+from faults import overwrite_middle
 from procs import assert_clean_exit
 from safetensors.torch import load_file
 from tiny import TINY_LLM
+
+from forge_lightning import manifest
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -300,6 +303,26 @@ def test_a_save_that_dies_midway_leaves_the_last_checkpoint_loadable(megatron_wo
     assert all(torch.equal(p, good[k]) for k, p in model.named_parameters())
     _save(model, config, path, global_step=3)  # the next save replaces the torn attempt
     assert not (tmp_path / ".last.ckpt.tmp").exists() and _load(model, path)["global_step"] == 3
+
+
+def test_every_rank_hashes_its_shards_into_the_manifest(runs):
+    root, _ = runs
+    ckpt = root / "ckpt_tp2" / STEP3
+    listed = manifest.read_manifest(ckpt / manifest.MANIFEST_FILE)
+    assert sorted(listed) == manifest.directory_files(ckpt)
+    assert {"meta.pt", "config.json", "common.pt", "metadata.json", ".metadata"} <= listed.keys()
+    assert {name.split("_")[2] for name in listed if name.endswith(".distcp")} == {"0", "1"}
+    assert manifest.verify(ckpt).ok
+
+
+def test_a_checkpoint_with_a_changed_shard_is_refused_naming_the_file(megatron_world, tmp_path):
+    config, model = _tiny_model()
+    path = tmp_path / "last.ckpt"
+    _save(model, config, path, global_step=1)
+    shard = max(path.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    overwrite_middle(shard)
+    with pytest.raises(manifest.ManifestError, match=rf"{shard.name}: content changed"):
+        _load(model, path)
 
 
 def test_a_checkpoint_of_another_shape_names_the_tensor(megatron_world, tmp_path):

@@ -6,22 +6,26 @@ written at step 3 are resumed on ONE process (a different world size) and must r
 
 import csv
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from faults import overwrite_middle
 from procs import assert_clean_exit
+
+from forge_lightning import manifest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
 STEPS = [0, 1, 2, 3, 4]
 
 
-def _forge(args: list[str], cwd: Path) -> None:
+def _run_forge(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    proc = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-m", "forge_lightning", *args],
         cwd=cwd,
         env=env,
@@ -29,7 +33,10 @@ def _forge(args: list[str], cwd: Path) -> None:
         text=True,
         timeout=300,
     )
-    assert_clean_exit(proc)
+
+
+def _forge(args: list[str], cwd: Path) -> None:
+    assert_clean_exit(_run_forge(args, cwd))
 
 
 def _losses(root: Path, name: str) -> dict[int, float]:
@@ -81,7 +88,7 @@ def runner(tiny_corpus, tmp_path_factory):
         )
         return _losses(root, name)
 
-    run.root = root
+    run.root, run.common = root, common
     run.reference = run("one", devices=1, batch=4)
     assert sorted(run.reference) == STEPS
     return run
@@ -110,10 +117,26 @@ def test_fsdp2_with_activation_checkpointing_and_dcp_resume_on_one_process(runne
     meta = torch.load(ckpt / "meta.pt", weights_only=True)
     loader = meta["loops"]["fit_loop"]["state_dict"]["combined_loader"][0]
     assert loader["consumed"] == 3 and loader["global_batch"] == 4
+    listed = manifest.read_manifest(ckpt / manifest.MANIFEST_FILE)
+    assert sorted(listed) == sorted(manifest.directory_files(ckpt)) and manifest.verify(ckpt).ok
     resumed = runner(
         "fsdp2_resume", "--trainer.strategy", "fsdp2", "--ckpt_path", str(ckpt), devices=1, batch=4
     )
     _assert_same(resumed, runner.reference, steps=[3, 4])
+
+    # 4 KiB overwritten in the middle of rank 1's shard: `forge validate` on 2 processes (each hashes half of the
+    # files) fails on both, naming the file, instead of validating wrong weights with exit code 0.
+    corrupt = runner.root / "corrupt_fsdp2.ckpt"
+    shutil.copytree(ckpt, corrupt)
+    shard = max(corrupt.glob("__1_*.distcp"), key=lambda p: p.stat().st_size)
+    overwrite_middle(shard)
+    args = ["validate", *runner.common[1:], "--trainer.strategy", "fsdp2", "--trainer.devices", "2"]
+    proc = _run_forge([*args, "--data.batch_size", "2", "--ckpt_path", str(corrupt)], runner.root)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0, output[-3000:]
+    assert f"{shard.name}: content changed" in output and "does not match its manifest" in output, output[
+        -3000:
+    ]
 
 
 @pytest.mark.parametrize(

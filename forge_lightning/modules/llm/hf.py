@@ -35,6 +35,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from forge_lightning.atomic_io import replace
+from forge_lightning.manifest import FileChecks, write_directory_manifest
 from forge_lightning.modules.llm.config import LLMConfig, field_value
 from forge_lightning.modules.llm.model import DecoderLM
 
@@ -103,9 +104,12 @@ def load_hf_state_dict(
     if path.is_file():
         _refuse_pickle([path], path)
         return _read_safetensors(path, device)
+    checks = FileChecks(path, "Hugging Face checkpoint")
     if (path / SAFETENSORS_INDEX).is_file():
-        return _read_sharded(path, device)
+        checks.check(SAFETENSORS_INDEX)
+        return _read_sharded(path, device, checks)
     if (path / SAFETENSORS_FILE).is_file():
+        checks.check(SAFETENSORS_FILE)
         return _read_safetensors(path / SAFETENSORS_FILE, device)
     _refuse_pickle(sorted(path.glob("*.bin")) + sorted(path.glob("*.pt")), path)
     others = sorted(p.name for p in path.glob("*.safetensors"))
@@ -129,13 +133,14 @@ def _read_safetensors(file: Path, device: str | torch.device) -> dict[str, Tenso
         return {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (safe_open is not a dict)
 
 
-def _read_sharded(path: Path, device: str | torch.device) -> dict[str, Tensor]:
+def _read_sharded(path: Path, device: str | torch.device, checks: FileChecks) -> dict[str, Tensor]:
     index_file = path / SAFETENSORS_INDEX
     weight_map: dict[str, str] = json.loads(index_file.read_text())["weight_map"]
     state: dict[str, Tensor] = {}
     for shard in sorted(set(weight_map.values())):
         if not (path / shard).is_file():
             raise FileNotFoundError(f"{index_file} names shard {shard!r}, which is missing from {path}")
+        checks.check(shard)
         tensors = _read_safetensors(path / shard, device)
         wanted = {name for name, file in weight_map.items() if file == shard}
         absent = wanted - tensors.keys()
@@ -265,6 +270,7 @@ def save_pretrained(
         if generation:
             _write_json(tmp / "generation_config.json", generation)
         _write_shards(tensors, tmp, _parse_size(max_shard_size))
+        write_directory_manifest(tmp)
         replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

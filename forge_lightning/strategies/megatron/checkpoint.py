@@ -13,6 +13,8 @@ A checkpoint is a directory (Lightning's ``ModelCheckpoint`` names it like a fil
                                                          parameters, and the layout it was written at; plain
                                                          containers only (loads with ``weights_only=True``)
       config.json                                        the model's Hugging Face config
+      forge-manifest.json                                size and hash of every other file (each rank hashes
+                                                         the shards it wrote), checked before a load
 
 Why the layout may change on resume: megatron-core saves every tensor under a global key with its global shape
 (the layers stacked on a leading layer axis, each TP rank's shard a slice of it), and the optimizer state
@@ -62,6 +64,7 @@ from typing_extensions import override
 
 from forge_lightning.atomic_io import old_sibling, replace
 from forge_lightning.contracts import MegatronTwin, experts_apart
+from forge_lightning.manifest import verify_before_load_collective, write_directory_manifest_collective
 from forge_lightning.strategies.checkpoint_io import atomic_torch_save
 from forge_lightning.strategies.distributed_checkpoint import CHECKPOINT_WRITERS
 
@@ -650,6 +653,19 @@ class MegatronCheckpointIO(CheckpointIO):
         if writers_per_rank < 1:
             raise ValueError(f"writers_per_rank must be at least 1, got {writers_per_rank}")
         self.writers_per_rank = writers_per_rank
+        self._verified: set[Path] = set()
+
+    def verify(self, path: str | os.PathLike[str]) -> None:
+        """Check the checkpoint's files against its manifest, once per path (every rank hashes a share of them).
+        Collective.
+
+        Raises:
+            ManifestError: a file is missing or changed.
+        """
+        path = Path(path)
+        if path not in self._verified:
+            verify_before_load_collective(path)
+            self._verified.add(path)
 
     def _save_strategy(self) -> Any:
         from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -681,6 +697,7 @@ class MegatronCheckpointIO(CheckpointIO):
                 (tmp / CONFIG_FILE).write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
 
         _on_rank_zero(write_meta, f"write {tmp / META_FILE}")
+        write_directory_manifest_collective(tmp, threads=self.writers_per_rank)
         _on_rank_zero(lambda: replace(tmp, path), f"rename {tmp} to {path}")
 
     @override
@@ -706,6 +723,7 @@ class MegatronCheckpointIO(CheckpointIO):
         path = Path(path)
         meta = check_is_checkpoint(path)
         if sharded_state_dict is not None:
+            self.verify(path)
             check_tensors(path, sharded_state_dict)
             meta[SHARDED_KEY] = dist_checkpointing.load(sharded_state_dict, str(path))
         return meta

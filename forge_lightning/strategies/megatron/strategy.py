@@ -597,6 +597,8 @@ class MegatronStrategy(ParallelStrategy):
         """Load a checkpoint of any layout into this rank's chunks (and optimizer, when fitting). Collective."""
         parts = self._components
         path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            self.checkpoint_io.verify(path)  # before any file of it is read
         meta = ckpt.check_is_checkpoint(path)
         ckpt.check_model_config(path, self._twin)
         fitting = self.lightning_module.trainer.state.fn == TrainerFn.FITTING

@@ -22,6 +22,7 @@ from megatron.core import parallel_state
 from safetensors import safe_open
 from torch import Tensor, nn
 
+from forge_lightning.manifest import FileChecks
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.hf import EXPERT_KEY, SAFETENSORS_FILE, SAFETENSORS_INDEX
 from forge_lightning.modules.llm.megatron.gpt import named_tensors, unwrap
@@ -53,11 +54,14 @@ class SafetensorsSlices:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
+        self._checks = FileChecks(self.path, "Hugging Face checkpoint")
         if (self.path / SAFETENSORS_INDEX).is_file():
+            self._checks.check(SAFETENSORS_INDEX)
             self.where = self.path / SAFETENSORS_INDEX
             self.weight_map: dict[str, str] = json.loads(self.where.read_text())["weight_map"]
         elif (self.path / SAFETENSORS_FILE).is_file():
             self.where = self.path / SAFETENSORS_FILE
+            self._checks.check(SAFETENSORS_FILE)
             with safe_open(self.where, framework="pt") as f:
                 self.weight_map = dict.fromkeys(f.keys(), SAFETENSORS_FILE)
         else:
@@ -79,6 +83,7 @@ class SafetensorsSlices:
                 raise FileNotFoundError(
                     f"{self.where} names file {file!r}, which is missing from {self.path}"
                 )
+            self._checks.check(file)
             self._open[file] = self._files.enter_context(safe_open(self.path / file, framework="pt"))
         return self._open[file]
 
