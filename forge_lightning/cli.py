@@ -18,6 +18,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
 from typing_extensions import override
 
+from forge_lightning.callbacks.config_drift import ConfigDriftCheck, ResumeOptions
 from forge_lightning.callbacks.guard import NonFiniteGuard
 from forge_lightning.callbacks.progress import StepProgressBar
 from forge_lightning.callbacks.summary import ForgeModelSummary
@@ -34,7 +35,8 @@ class ForgeCLI(LightningCLI):
     Adds top-level ``optimizer``, ``scheduler`` and ``performance`` sections (linked into the model), a progress bar
     counting optimizer steps (:class:`StepProgressBar`), a model summary without uncounted FLOPs
     (:class:`ForgeModelSummary`), a guard that skips optimizer steps with a non-finite loss or gradients
-    (:class:`NonFiniteGuard`) and atomic, ``weights_only`` checkpoint I/O by default.
+    (:class:`NonFiniteGuard`), the run's config in every checkpoint with a resume refused when it changed
+    (:class:`ConfigDriftCheck`, ``--resume.allow_changes``) and atomic, ``weights_only`` checkpoint I/O by default.
     """
 
     def __init__(self, args: list[str] | None = None, **kwargs: Any) -> None:
@@ -57,6 +59,7 @@ class ForgeCLI(LightningCLI):
         parser.link_arguments("scheduler", "model.init_args.scheduler", apply_on="instantiate")
         parser.add_class_arguments(PerformanceConfig, "performance", fail_untyped=True, sub_configs=True)
         parser.link_arguments("performance", "model.init_args.performance", apply_on="instantiate")
+        parser.add_class_arguments(ResumeOptions, "resume", fail_untyped=True)
 
     @override
     def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
@@ -114,6 +117,8 @@ class ForgeCLI(LightningCLI):
         present = [*(configured if isinstance(configured, list) else [configured]), *callbacks]
         if not _has(present, NonFiniteGuard):
             callbacks.append(NonFiniteGuard())
+        if self.subcommand == "fit" and not _has(present, ConfigDriftCheck):
+            callbacks.append(self._config_drift_check())
         if not config.get("barebones"):  # barebones refuses progress bars and summaries
             if config.get("enable_progress_bar", True) is not False and not _has(present, ProgressBar):
                 callbacks.append(StepProgressBar(leave=True))
@@ -130,6 +135,15 @@ class ForgeCLI(LightningCLI):
             plugins.append(AtomicCheckpointIO())
         config["plugins"] = plugins or None
         return super()._instantiate_trainer(config, callbacks)
+
+    def _config_drift_check(self) -> ConfigDriftCheck:
+        """The run's resolved config (as saved next to its logs) in every checkpoint, compared on resume."""
+        import yaml
+
+        config = self.config.get(str(self.subcommand), self.config)
+        resolved = yaml.safe_load(self._parser(self.subcommand).dump(config, skip_none=False))
+        options = self._get(self.config_init, "resume")
+        return ConfigDriftCheck(resolved, allow_changes=options.allow_changes if options else ())
 
 
 def _has(callbacks: list, kind: type) -> bool:

@@ -1,7 +1,8 @@
 """Callbacks: throughput and MFU, text samples, Hugging Face export, validation summaries, closed-loop evaluation,
-and the progress bar, model summary and non-finite guard ``forge`` uses by default."""
+and the progress bar, model summary, non-finite guard and config drift check ``forge`` uses by default."""
 
 from forge_lightning.callbacks.closed_loop import ClosedLoopEval
+from forge_lightning.callbacks.config_drift import ConfigDriftCheck, ResumeOptions
 from forge_lightning.callbacks.exact_match import GenerationMetric
 from forge_lightning.callbacks.export import HFExport
 from forge_lightning.callbacks.generation import TextPredictionWriter, TextSample
@@ -13,10 +14,12 @@ from forge_lightning.callbacks.validation import ValidationSummary
 
 __all__ = [
     "ClosedLoopEval",
+    "ConfigDriftCheck",
     "ForgeModelSummary",
     "GenerationMetric",
     "HFExport",
     "NonFiniteGuard",
+    "ResumeOptions",
     "StepProgressBar",
     "StepTQDMProgressBar",
     "TextPredictionWriter",
