@@ -15,7 +15,7 @@ from lightning.pytorch import LightningDataModule, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelSummary, ProgressBar
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.plugins.io import CheckpointIO
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
 from forge_lightning.callbacks.config_drift import ConfigDriftCheck, ResumeOptions
@@ -23,9 +23,16 @@ from forge_lightning.callbacks.guard import NonFiniteGuard
 from forge_lightning.callbacks.progress import StepProgressBar
 from forge_lightning.callbacks.summary import ForgeModelSummary
 from forge_lightning.contracts import StrategyTraits, deferred_pretrained, traits_of
+from forge_lightning.distributed.elastic import fresh_store_after_restart
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig
 from forge_lightning.performance import PerformanceConfig
-from forge_lightning.resume import checkpoint_dirs, find_last_checkpoint, remove_stale_temporaries
+from forge_lightning.resume import (
+    checkpoint_dirs,
+    elastic_restart_count,
+    find_last_checkpoint,
+    newest_checkpoint,
+    remove_stale_temporaries,
+)
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
 
 
@@ -85,13 +92,25 @@ class ForgeCLI(LightningCLI):
     def _prepare_subcommand_kwargs(self, subcommand: str) -> dict[str, Any]:
         """Before ``fit``, remove the temporaries of saves that were killed midway in the run's checkpoint folders
         (global rank 0); ``--ckpt_path last`` becomes the run's newest complete last checkpoint across its
-        ``version_N`` folders (:mod:`forge_lightning.resume`), or an error listing where it looked."""
+        ``version_N`` folders (:mod:`forge_lightning.resume`), or an error listing where it looked. After an elastic
+        restart (``torchrun --max-restarts``) ``fit`` resumes from the run's newest complete checkpoint."""
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
         if subcommand == "fit" and rank_zero_only.rank == 0:
             removed = remove_stale_temporaries(checkpoint_dirs(self.trainer))
             if removed:
                 names = ", ".join(str(p) for p in removed[:3]) + (" ..." if len(removed) > 3 else "")
                 rank_zero_info(f"removed {len(removed)} temporary file(s) of interrupted saves: {names}")
+        restarts = elastic_restart_count()
+        if subcommand == "fit" and restarts > 0:
+            newest = newest_checkpoint(self.trainer)
+            if newest is not None:
+                kwargs["ckpt_path"] = str(newest)
+                rank_zero_info(f"elastic restart {restarts}: resuming from the newest checkpoint, {newest}")
+            elif kwargs.get("ckpt_path") in (None, "last"):
+                kwargs["ckpt_path"] = None
+                rank_zero_warn(
+                    f"elastic restart {restarts}: the run has no checkpoint yet; training starts over"
+                )
         if kwargs.get("ckpt_path") == "last":
             kwargs["ckpt_path"] = str(find_last_checkpoint(self.trainer))
             rank_zero_info(f"--ckpt_path last: {kwargs['ckpt_path']}")
@@ -183,6 +202,7 @@ def main(args: list[str] | None = None) -> None:
         args: the command line without the program name (``["fit", "--config", "x.yaml"]``); ``None`` reads
             ``sys.argv``.
     """
+    fresh_store_after_restart()
     try:
         ForgeCLI(args=args)  # None: LightningCLI reads sys.argv
     finally:

@@ -6,10 +6,15 @@ A run's checkpoints live where ``ModelCheckpoint`` puts them: its ``dirpath``, e
 ``<default_root_dir>/checkpoints``. Lightning's own ``last`` only looks in this run's folder, which is new and empty
 under the default layout: it warns and trains from step 0. Here ``last`` is the newest complete ``last*.ckpt`` in
 every folder of the run, or an error that lists where it looked.
+
+Under ``torchrun --max-restarts N``, a worker that dies makes torchelastic restart every worker of the job
+(``TORCHELASTIC_RESTART_COUNT`` counts the restarts). A restarted ``forge fit`` resumes by itself from the run's
+newest complete checkpoint (any ``*.ckpt``: periodic or last), whose content its manifest then verifies.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import zipfile
 from collections.abc import Iterable
@@ -52,6 +57,19 @@ def is_complete(path: Path) -> bool:
     return finished and sizes_match(path) is not False
 
 
+def newest_checkpoint(trainer: Trainer, pattern: str = "*.ckpt") -> Path | None:
+    """The newest complete checkpoint matching ``pattern`` in the run's folders (:func:`checkpoint_dirs`), by
+    modification time; None if there is none."""
+    found = [p for d in checkpoint_dirs(trainer) if d.is_dir() for p in d.glob(pattern) if is_complete(p)]
+    return max(found, key=lambda p: p.resolve().stat().st_mtime) if found else None
+
+
+def elastic_restart_count() -> int:
+    """How often torchelastic (``torchrun --max-restarts``) has restarted this job's workers: 0 on the first
+    attempt and outside torchrun."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+
+
 def find_last_checkpoint(trainer: Trainer) -> Path:
     """The newest complete ``last*.ckpt`` of the run (:func:`checkpoint_dirs`), by modification time.
 
@@ -59,15 +77,15 @@ def find_last_checkpoint(trainer: Trainer) -> Path:
         FileNotFoundError: none was found; the message lists the folders searched.
     """
     dirs = checkpoint_dirs(trainer)
-    found = [p for d in dirs if d.is_dir() for p in d.glob("last*.ckpt") if is_complete(p)]
-    if not found:
+    found = newest_checkpoint(trainer, "last*.ckpt")
+    if found is None:
         searched = "\n  ".join(str(d) for d in dirs)
         raise FileNotFoundError(
             f"--ckpt_path last: no complete last*.ckpt in this run's checkpoint folders:\n  {searched}\n"
             "Pass a checkpoint path to --ckpt_path, or keep ModelCheckpoint(save_last=true) and the same "
             "trainer.default_root_dir / logger save_dir and name as the run to resume"
         )
-    return max(found, key=lambda p: p.resolve().stat().st_mtime)
+    return found
 
 
 def remove_stale_temporaries(dirs: Iterable[Path]) -> list[Path]:
