@@ -76,7 +76,10 @@ def test_missing_root_unknown_version_corrupt_parquet(tmp_path, copy_of):
     root = copy_of("v30")
     info = json.loads((root / "meta" / "info.json").read_text())
     (root / "meta" / "info.json").write_text(json.dumps({**info, "codebase_version": "v1.6"}))
-    with pytest.raises(LeRobotFormatError, match="codebase_version 'v1.6' is not supported"):
+    with pytest.raises(
+        LeRobotFormatError,
+        match="info.json: codebase_version: expected one of v2.0, v2.1, v3.0, found 'v1.6'",
+    ):
         LeRobotDataset(root)
     (root / "meta" / "info.json").write_text(json.dumps(info))
     data = root / "data" / "chunk-000" / "file-000.parquet"

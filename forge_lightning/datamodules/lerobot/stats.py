@@ -11,6 +11,7 @@ dataset's per-episode stats give the same dataset stats LeRobot computes.
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ _MODE_STATS = {
     "quantile10": ("q10", "q90"),
 }
 EPS = 1e-8
+# Smallest std / range a feature is normalised by (in the feature's own units); see Normalizer.
+SCALE_FLOOR = 1e-4
 
 
 def quantile_name(q: float) -> str:
@@ -176,7 +179,17 @@ class Normalizer:
     """Per-feature normalisation with a dataset's stats (LeRobot's formulas, eps ``1e-8``).
 
     ``mean_std``: ``(x - mean) / (std + eps)``; ``min_max``: ``2 (x - min) / (max - min) - 1``; ``quantiles``
-    and ``quantile10``: the same with ``q01`` / ``q99`` or ``q10`` / ``q90``; a zero range is replaced by eps.
+    and ``quantile10``: the same with ``q01`` / ``q99`` or ``q10`` / ``q90``.
+
+    A scale (``std``, or the range ``high - low``) below ``SCALE_FLOOR`` (``1e-4``, absolute, in the feature's
+    units) is raised to it, with one warning per feature naming the values. Such a scale only comes from a
+    dimension that is constant (or nearly) in the data, e.g. padding or a joint that never moved: its training
+    values normalise to 0 (or -1) either way, but LeRobot's eps-sized divisor maps any other value, at
+    inference or from another dataset's stats, to ~1e8 times its deviation; the floor keeps it at 1e4 times.
+    Real scales are far above it (radians, metres, grippers in [0, 1], pixels in [0, 1]: std >= ~1e-3), so
+    every dimension above the floor is normalised exactly as LeRobot does (the Pi0.5 parity holds). The floor
+    is absolute, not relative to the mean: a relative one would change features with large offsets and small
+    spreads (encoder ticks), which are real. Negative or non-finite scales raise ``ValueError``.
 
     Args:
         stats: ``{feature: {stat: array}}``.
@@ -197,32 +210,56 @@ class Normalizer:
                     f"normalization[{key!r}] ({mode!r}) needs the stats {missing} of {key!r}, which the dataset "
                     "lacks: compute them with `forge-data lerobot-stats ROOT`"
                 )
+            if needed:
+                self._check_scale(key, mode)
 
-    def _pair(self, key: str, like: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+    def _check_scale(self, key: str, mode: str) -> None:
+        """Refuses a negative or non-finite scale; warns (once per feature) about one below the floor."""
+        low_name, high_name = _MODE_STATS[mode]
+        low, high = (np.asarray(self.stats[key][n], dtype=np.float64) for n in (low_name, high_name))
+        scale, name = (high, high_name) if mode == "mean_std" else (high - low, f"{high_name} - {low_name}")
+        if not (np.isfinite(low).all() and np.isfinite(high).all()) or (scale < 0).any():
+            raise ValueError(
+                f"normalization[{key!r}] ({mode!r}): stats {low_name} {low.ravel().tolist()} / {high_name} "
+                f"{high.ravel().tolist()} must be finite with {name} >= 0: recompute them with "
+                "`forge-data lerobot-stats ROOT --force`"
+            )
+        tiny = np.flatnonzero(scale.ravel() < SCALE_FLOOR)
+        if tiny.size:
+            values = [float(v) for v in scale.ravel()[tiny]]
+            # one warning location (this module): Python's default filter shows a given message once per
+            # location, so the datasets and the module that each build a Normalizer from the same stats warn
+            # once per feature
+            warnings.warn(
+                f"normalization[{key!r}] ({mode!r}): {name} is {values} at dimension(s) {tiny.tolist()}, below "
+                f"{SCALE_FLOOR:g}: those dimensions are divided by {SCALE_FLOOR:g} instead (they are constant in "
+                "the data; if they should not be, recompute the stats with `forge-data lerobot-stats ROOT --force`)",
+                stacklevel=2,
+            )
+
+    def _low_scale(self, key: str, like: torch.Tensor) -> tuple[str, torch.Tensor, torch.Tensor]:
+        """The mode, the offset and the floored scale (std, or high - low) of ``key`` in ``like``'s dtype."""
         mode = self.modes[key]
         low, high = (
             torch.as_tensor(np.asarray(self.stats[key][n]), dtype=like.dtype) for n in _MODE_STATS[mode]
         )
-        return mode, low, high
+        scale = high if mode == "mean_std" else high - low
+        return mode, low, scale.clamp_min(SCALE_FLOOR)
 
     def normalize(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """Normalises ``x`` (feature ``key``) by its mode; identity for unnamed features."""
         if self.modes.get(key, "identity") == "identity":
             return x
-        mode, low, high = self._pair(key, x)
+        mode, low, scale = self._low_scale(key, x)
         if mode == "mean_std":
-            return (x - low) / (high + EPS)
-        span = high - low
-        span = torch.where(span == 0, torch.full_like(span, EPS), span)
-        return (x - low) / span * 2 - 1
+            return (x - low) / (scale + EPS)
+        return (x - low) / scale * 2 - 1
 
     def unnormalize(self, key: str, x: torch.Tensor) -> torch.Tensor:
         """Inverse of :meth:`normalize`."""
         if self.modes.get(key, "identity") == "identity":
             return x
-        mode, low, high = self._pair(key, x)
+        mode, low, scale = self._low_scale(key, x)
         if mode == "mean_std":
-            return x * (high + EPS) + low
-        span = high - low
-        span = torch.where(span == 0, torch.full_like(span, EPS), span)
-        return (x + 1) / 2 * span + low
+            return x * (scale + EPS) + low
+        return (x + 1) / 2 * scale + low
