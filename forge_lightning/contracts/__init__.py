@@ -40,7 +40,7 @@ from forge_lightning.contracts.module import (
     deferred_pretrained,
     pretrained_deferred,
 )
-from forge_lightning.contracts.plan import Component, Composition, ParallelPlan
+from forge_lightning.contracts.plan import Component, Composition, ParallelPlan, common_divisors
 from forge_lightning.contracts.strategy import (
     DataParallelLayout,
     GradientGate,
@@ -86,6 +86,7 @@ __all__ = [
     "TextData",
     "TrainedParameters",
     "TunedModule",
+    "common_divisors",
     "data_parallel",
     "deferred_pretrained",
     "experts_apart",

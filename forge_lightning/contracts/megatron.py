@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import math
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -46,7 +47,9 @@ RECOMPUTE = ("none", "full")
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MegatronDims:
     """MegatronStrategy's parallel layout in megatron-core's names, validated once against the world size
-    (:meth:`validate`); every message names every degree.
+    (:meth:`validate`, before any process group is built; every message names every degree) and against the data's
+    sequence length (:meth:`check_sequence_length`). The model's sizes are checked by the strategy from the plan
+    (TP divisors) and by the family's twin (layers per stage, experts, heads per context-parallel rank).
 
     Args:
         tensor_model_parallel_size: TP ranks.
@@ -170,6 +173,31 @@ class MegatronDims:
             raise ValueError(f"overlap_param_gather needs use_distributed_optimizer: {named}")
         self._check_context_parallel()
         return world_size // (tp * pp * cp)
+
+    def check_sequence_length(self, length: int, *, what: str = "data.seq_length") -> None:
+        """Raise ``ValueError`` unless the layout can split sequences of ``length`` tokens: context parallelism
+        cuts each into ``2 x CP`` equal chunks (megatron's load-balanced causal layout), and sequence parallelism
+        gives each TP rank an equal share of a context-parallel rank's ``length / CP`` positions.
+
+        Args:
+            length: tokens per sequence.
+            what: where ``length`` comes from, for the message.
+        """
+        tp, cp = self.tp, self.cp
+        if cp > 1 and length % (2 * cp):
+            raise ValueError(
+                f"context_parallel_size ({cp}) splits each sequence into 2 x {cp} = {2 * cp} equal chunks (megatron's "
+                f"causal load-balanced layout): {what} ({length}) must be divisible by {2 * cp}; use sequences of a "
+                f"multiple of {2 * cp} tokens"
+            )
+        if self.sequence_parallel and (length // cp) % tp:
+            per_rank = f"{what} ({length}) / context_parallel_size ({cp}) = {length // cp}" if cp > 1 else ""
+            raise ValueError(
+                f"sequence_parallel: {per_rank or f'{what} ({length})'} must be divisible by "
+                f"tensor_model_parallel_size ({tp}): each tensor-parallel rank holds an equal share of the "
+                f"sequence; use sequences of a multiple of {math.lcm(2 * cp if cp > 1 else 1, cp * tp)} tokens or "
+                "set sequence_parallel: false"
+            )
 
     def _check_context_parallel(self) -> None:
         comm_type, sizes, cp = self.cp_comm_type, self.hierarchical_context_parallel_sizes, self.cp

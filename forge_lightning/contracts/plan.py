@@ -10,6 +10,7 @@ projector -> LLM) also declares its :class:`Composition`, so that a strategy whi
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -110,20 +111,30 @@ class ParallelPlan:
             components: the names of the components it splits (default: all).
 
         Raises:
-            ValueError: naming every size ``size`` does not divide, with its component and field.
+            ValueError: naming every size ``size`` does not divide, with its component and field, and the degrees
+                that divide them all.
         """
         if size == 1:
             return
         names = {c.name for c in self.components} if components is None else set(components)
-        bad = [
-            f"{comp.name}.{field_name} ({value})"
+        dims = {
+            f"{comp.name}.{field_name}": value
             for comp in self.components
             if comp.name in names
             for field_name, value in comp.tp_dims.items()
-            if value % size
-        ]
+        }
+        bad = [f"{name} ({value})" for name, value in dims.items() if value % size]
         if bad:
             raise ValueError(
-                f"{option} ({size}) must divide {', '.join(bad)}: each tensor-parallel rank holds an equal share "
-                "of them; choose a degree that divides every one"
+                f"{option} ({size}) must divide the model's {', '.join(bad)}: each tensor-parallel rank holds an "
+                f"equal share of them; set {option} to one of {common_divisors(*dims.values())}, which divide every "
+                f"one of {', '.join(f'{k} ({v})' for k, v in dims.items())}"
             )
+
+
+def common_divisors(*values: int) -> list[int]:
+    """The degrees that divide every one of ``values`` (positive integers), in increasing order: the choices to
+    offer for a degree that must divide them all."""
+    common = math.gcd(*values)
+    small = [d for d in range(1, math.isqrt(common) + 1) if common % d == 0]
+    return sorted({*small, *(common // d for d in small)})

@@ -33,7 +33,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import nn
 from typing_extensions import override
 
-from forge_lightning.contracts import ParallelPlan, PlannedModule, StrategyTraits, TunedModule
+from forge_lightning.contracts import (
+    ParallelPlan,
+    PlannedModule,
+    StrategyTraits,
+    TunedModule,
+    common_divisors,
+)
 from forge_lightning.performance import (
     PerformanceConfig,
     apply_performance,
@@ -77,18 +83,24 @@ def _dtype(name: str | None, option: str) -> torch.dtype | None:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FSDPDims:
-    """FSDP2Strategy's parallel layout, validated once against the world size (:meth:`validate`); every message
-    names every degree.
+    """FSDP2Strategy's parallel layout, validated once against the world size (:meth:`validate`, before any process
+    group is built); every message names every degree. The degrees are checked against the model by
+    :func:`~forge_lightning.strategies.parallelize.check_tensor_parallel_plan`, before its weights are built.
 
     Args:
         data_parallel_size: data-parallel ranks (replicas x shards; ``"auto"``: world size / TP size).
         data_parallel_replicate_size: HSDP replica groups (must divide the data-parallel size).
         tensor_parallel_size: tensor-parallel ranks per data-parallel rank.
+        sequence_parallel: not supported yet (refused); see FSDP2Strategy.
+        reshard_after_forward: ``True`` / ``False``, or the ranks each block is resharded to after forward (must
+            divide the shard size, ``data_parallel_size / data_parallel_replicate_size``).
     """
 
     data_parallel_size: int | str = "auto"
     data_parallel_replicate_size: int = 1
     tensor_parallel_size: int = 1
+    sequence_parallel: bool = False
+    reshard_after_forward: bool | int = True
 
     def validate(self, world_size: int) -> int:
         """Check the degrees against ``world_size``; return the resolved data-parallel size.
@@ -110,6 +122,20 @@ class FSDPDims:
             )
         if dp % replicate != 0:
             raise ValueError(f"data_parallel_replicate_size must divide data_parallel_size: {degrees}")
+        if self.sequence_parallel:
+            # Attention and the layers the plan keeps replicated (MLA, routed experts) would see only their rank's
+            # share of the sequence, and nothing sums those layers' gradients over the tensor-parallel ranks.
+            raise ValueError(
+                "sequence_parallel is not supported by FSDP2Strategy yet: set sequence_parallel: false (tensor "
+                "parallelism works without it), or use MegatronStrategy(sequence_parallel=true)"
+            )
+        reshard, shard = self.reshard_after_forward, dp // replicate
+        if not isinstance(reshard, bool) and (reshard < 1 or shard % reshard):
+            raise ValueError(
+                f"reshard_after_forward ({reshard}) must divide the shard size, data_parallel_size / "
+                f"data_parallel_replicate_size = {shard}: after forward each block's parameters are resharded to "
+                f"groups of that many ranks; use one of {common_divisors(shard)}, true or false: {degrees}"
+            )
         return dp
 
 
@@ -121,12 +147,13 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     Args:
         data_parallel_size: data-parallel ranks (replicas × shards); ``"auto"``: world size / TP size.
-        tensor_parallel_size: tensor-parallel ranks per data-parallel rank (the mesh's innermost dimension).
+        tensor_parallel_size: tensor-parallel ranks per data-parallel rank (the mesh's innermost dimension); must
+            divide every size the plan's split components advertise (``tp_dims``: heads, vocab, widths).
         data_parallel_replicate_size: HSDP replica groups; parameters are sharded over
             ``data_parallel_size / data_parallel_replicate_size`` ranks and replicated across groups.
             ``"auto"``: the number of nodes (shard within a node, replicate across nodes).
-        sequence_parallel: with TP, shard norms and the residual stream on the sequence (applies the plan's
-            ``sequence`` and root entries); off: only the block entries, the residual stream stays replicated.
+        sequence_parallel: not supported yet, refused (attention and the layers the plan keeps replicated would
+            see only their rank's share of the sequence); with TP the residual stream stays replicated.
         param_dtype: compute dtype of the gathered parameters (``bf16``, ``fp32``...; ``None``: as stored).
         reduce_dtype: dtype of the gradient reduce-scatter (``None``: ``param_dtype``).
         output_dtype: dtype the root's outputs are cast to (``None``: unchanged).
@@ -235,7 +262,7 @@ class FSDP2Strategy(ModelParallelStrategy):
     # ----- mesh and degrees -------------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        self.set_world_ranks()  # the world size, to check the degrees before any process group is built
         tp = int(self._tensor_parallel_size)
         if self.data_parallel_replicate_size == "auto":
             self.data_parallel_replicate_size = self.num_nodes
@@ -243,8 +270,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             data_parallel_size=self._data_parallel_size,
             data_parallel_replicate_size=self.data_parallel_replicate_size,
             tensor_parallel_size=tp,
+            sequence_parallel=self.sequence_parallel,
+            reshard_after_forward=self.reshard_after_forward,
         )
         dp = dims.validate(self.world_size)
+        self._setup_distributed()
         self._data_parallel_size, self._tensor_parallel_size = dp, tp
         shard = dp // self.data_parallel_replicate_size
         from torch.distributed.device_mesh import init_device_mesh
@@ -313,6 +343,7 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        self.check_plan(_plan_of(self.model))  # before the weights are built
         materialize_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -328,16 +359,35 @@ class FSDP2Strategy(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             _optimizers_to_device(self.optimizers, self.root_device)
 
+    def check_plan(self, plan: ParallelPlan) -> None:
+        """Check the module's plan against this strategy's options and tensor-parallel degree (after
+        ``setup_environment``), before anything is built or sharded.
+
+        Args:
+            plan: the module's parallel plan.
+
+        Raises:
+            ValueError: a component named in ``unsharded_components`` / ``replicated_components`` that the plan
+                lacks (or a trainable one left unsharded), or a tensor-parallel degree the plan's sizes refuse
+                (see :func:`~forge_lightning.strategies.parallelize.check_tensor_parallel_plan`).
+        """
+        unsharded = par.check_unsharded(plan, self.unsharded_components)
+        replicated = par.check_components(plan, self.replicated_components)
+        par.check_tensor_parallel_plan(
+            plan,
+            int(self._tensor_parallel_size),
+            skip=[c.name for c in unsharded] + replicated,
+        )
+
     def parallelize(self, module: nn.Module) -> None:
         """Apply TP, the module's performance settings and FSDP to ``module`` from its parallel plan."""
         plan = _plan_of(module)
-        unsharded = par.check_unsharded(plan, self.unsharded_components)
-        replicated = [plan.component(name) for name in par.check_components(plan, self.replicated_components)]
+        self.check_plan(plan)
+        unsharded = [plan.component(name) for name in self.unsharded_components]
+        replicated = [plan.component(name) for name in self.replicated_components]
         mesh = self.device_mesh
         if mesh["tp"].size() > 1:
             skip = [c.name for c in unsharded + replicated]
-            split = [c.name for c in plan if c.name not in skip and c.tp_plan]
-            plan.check_tensor_parallel(mesh["tp"].size(), option="tensor_parallel_size", components=split)
             par.apply_tensor_parallel(plan, mesh["tp"], sequence_parallel=self.sequence_parallel, skip=skip)
         perf = module.performance if isinstance(module, TunedModule) else PerformanceConfig()
         self._fp8_all_gather = perf.fp8 is not None and perf.fp8.fsdp_all_gather

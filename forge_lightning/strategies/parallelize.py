@@ -4,6 +4,9 @@ the one fixed order every native strategy uses::
     tensor parallelism ─ FP8 ─ kernels ─ activation checkpointing ─ torch.compile ─ FSDP / DDP
     apply_tensor_parallel  forge_lightning.performance.apply_performance          (the strategy's wrapping)
 
+The tensor-parallel degree is checked against the plan first, before the weights are built
+(:func:`check_tensor_parallel_plan`).
+
 Each helper reads only the plan (components, their blocks, the TP styles, the frozen flags), never a model
 family, logs one line and renames no parameter, so state-dict keys stay those of the plain model.
 """
@@ -55,6 +58,39 @@ def _split_tp_plan(tp_plan: dict[str, str]) -> tuple[dict[str, str], dict[str, s
 def _styles(entries: dict[str, str], sequence_parallel: bool) -> dict[str, object]:
     styles = {name: _tp_style(style, sequence_parallel) for name, style in entries.items()}
     return {name: style for name, style in styles.items() if style is not None}
+
+
+def check_tensor_parallel_plan(
+    plan: ParallelPlan,
+    size: int,
+    *,
+    skip: Iterable[str] = (),
+) -> None:
+    """Raise ``ValueError`` unless ``tensor_parallel_size`` ``size`` fits the plan: it splits at least one
+    component and divides every size those components advertise (``tp_dims``).
+
+    Args:
+        plan: the module's parallel plan.
+        size: ``tensor_parallel_size``.
+        skip: components kept out of tensor parallelism (unsharded or replicated ones).
+    """
+    if size == 1:
+        return
+    skipped = set(skip)
+    split = [c.name for c in plan if c.name not in skipped and c.tp_plan]
+    if not split:
+        candidates = [c.name for c in plan if c.name not in skipped]
+        why = (
+            f"none of the components it would split ({', '.join(candidates)}) declares tensor-parallel styles in "
+            "the module's parallel plan"
+            if candidates
+            else f"every component is kept out of it (unsharded or replicated: {', '.join(sorted(skipped))})"
+        )
+        raise ValueError(
+            f"tensor_parallel_size ({size}) splits no component of the model: {why}, so every tensor-parallel "
+            "rank would compute the same; set tensor_parallel_size: 1 and use the ranks for data parallelism"
+        )
+    plan.check_tensor_parallel(size, option="tensor_parallel_size", components=split)
 
 
 def apply_tensor_parallel(

@@ -60,7 +60,9 @@ from forge_lightning.contracts import (
     MegatronDims,
     MegatronModule,
     MegatronTwin,
+    ParallelPlan,
     StrategyTraits,
+    TextData,
     TunedModule,
 )
 from forge_lightning.performance import PerformanceConfig, apply_sdpa_backends, check_applied, resolve
@@ -91,11 +93,13 @@ class MegatronStrategy(ParallelStrategy):
     Registered as ``megatron``. Data parallelism is what the world has left: ``world / (TP × PP × CP)`` ranks.
 
     Args:
-        tensor_model_parallel_size: TP ranks (keep within a node); must divide heads, key/value heads and vocab.
-        pipeline_model_parallel_size: pipeline stages (1F1B schedule); must divide the layers.
+        tensor_model_parallel_size: TP ranks (keep within a node); must divide heads, key/value heads, vocab, the
+            MLP widths and, unless ``expert_tensor_parallel_size`` is set, ``moe.intermediate_size``.
+        pipeline_model_parallel_size: pipeline stages (1F1B schedule); PP x VPP must divide the layers.
         virtual_pipeline_model_parallel_size: model chunks per stage (interleaved 1F1B; ``accumulate_grad_batches``
             must be a multiple of PP); ``None``: one.
-        sequence_parallel: with TP, shard norms / dropout / residual stream on the sequence.
+        sequence_parallel: with TP, shard norms / dropout / residual stream on the sequence; TP must divide each
+            context-parallel rank's share of the sequence length.
         context_parallel_size: CP ranks sharing each sequence (megatron's load-balanced layout: ``2 × CP`` chunks,
             rank ``r`` holding ``r`` and ``2·CP − 1 − r``); ``2 × CP`` must divide the sequence length.
         cp_comm_type: context-parallel attention, megatron-core's names: ``a2a`` (Ulysses all-to-all; CP must divide
@@ -222,13 +226,14 @@ class MegatronStrategy(ParallelStrategy):
         self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
         self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank
+        # The degrees against the world size, before any process group is built (against the model in setup).
+        dims = self.dims
+        dp = dims.validate(self.world_size)
+        parse_components(self.components, dims.tp)  # names are checked in setup
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
-        dims = self.dims
-        dp = dims.validate(self.world_size)
-        parse_components(self.components, dims.tp)  # names are checked in setup
         try:
             from megatron.core import parallel_state
             from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -334,8 +339,13 @@ class MegatronStrategy(ParallelStrategy):
         parts = self._components = Components(
             module, parse_components(self.components, dims.tp), dims, bf16=self._bf16
         )
-        module.parallel_plan().check_tensor_parallel(
-            dims.tp, option="tensor_model_parallel_size", components=[parts.decoder.component.name]
+        datamodule = trainer.datamodule
+        # A composed model's decoder input is longer than the data's sequences: its twin checks each batch.
+        seq_length = (
+            datamodule.seq_length if isinstance(datamodule, TextData) and not parts.composed else None
+        )
+        check_model_layout(
+            module.parallel_plan(), dims, decoder=parts.decoder.component.name, seq_length=seq_length
         )
         build = MegatronBuild(
             dims=dims,
@@ -761,6 +771,28 @@ class MegatronStrategy(ParallelStrategy):
             # same process (another fit) starts from an empty one.
             get_moe_layer_wise_logging_tracker().clear()
             self._parallel_ready = False
+
+
+def check_model_layout(
+    plan: ParallelPlan, dims: MegatronDims, *, decoder: str, seq_length: int | None = None
+) -> None:
+    """Check the layout against the model before anything is built (the world size was checked in
+    ``setup_environment``): the sizes the decoder component's plan says a TP degree must divide, and the data's
+    sequence length. The twin checks the rest when the module makes it (layers per pipeline stage, experts, heads
+    per context-parallel rank).
+
+    Args:
+        plan: the module's parallel plan.
+        dims: the strategy's layout.
+        decoder: the component the twin stands for.
+        seq_length: the data's tokens per sample (``None``: unknown or variable; the twin checks each batch).
+
+    Raises:
+        ValueError: naming the degree, its value and the model's or the data's size it does not fit.
+    """
+    plan.check_tensor_parallel(dims.tp, option="tensor_model_parallel_size", components=[decoder])
+    if seq_length is not None:
+        dims.check_sequence_length(seq_length)
 
 
 def _refuse_performance(perf: PerformanceConfig | None) -> None:

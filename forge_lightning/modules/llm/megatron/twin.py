@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from forge_lightning.contracts import MegatronBuild, MegatronDims
+from forge_lightning.contracts import MegatronBuild, MegatronDims, common_divisors
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.hf import (
     EMBEDDING_KEY,
@@ -219,6 +219,8 @@ class DecoderTwin:
 
         build = self.build
         if build.composition is None:
+            # Batches of variable length (the data's seq_length, when fixed, was checked at setup).
+            build.dims.check_sequence_length(batch["input_ids"].shape[1], what="the batch's sequence length")
             return steps.forward_step(batch, chunk, self.loss)
         return steps.composed_forward_step(batch, chunk, self.loss, build.composition, build.encode)
 
@@ -281,24 +283,28 @@ class DecoderTwin:
 def resolve_transformer_engine(config: LLMConfig, requested: bool | None) -> bool:
     """Whether the twin uses TransformerEngine's layer spec: as requested, else when TE is importable (never with
     multi-latent attention, whose TE spec has other weight names; see ``gpt_decoder_spec``)."""
+    if requested is not None:
+        return requested
+    # Imported only here: it imports megatron-core, which checking a requested layout does not need.
     from forge_lightning.modules.llm.megatron.layer_spec import transformer_engine_available
 
-    if requested is None:
-        return transformer_engine_available() and config.mla is None
-    return requested
+    return transformer_engine_available() and config.mla is None
 
 
 def check_layout(config: LLMConfig, dims: MegatronDims, use_transformer_engine: bool | None = None) -> None:
     """Raise ``ValueError`` unless the layout fits the model: layers per pipeline chunk, experts per expert-parallel
-    rank and expert width per expert-TP rank, and (local spec) query heads per Ulysses rank. The tensor-parallel
-    divisors (heads, key/value heads, widths, vocabulary) are the plan's (``CausalLM.parallel_plan``), checked by
-    the strategy."""
-    if config.num_layers % (dims.pp * dims.vpp):
+    rank and expert width per expert-TP rank (TP when ``expert_tensor_parallel_size`` is unset), and (local spec)
+    query heads per Ulysses rank. The tensor-parallel divisors (heads, key/value heads, widths, vocabulary) are the
+    plan's (``CausalLM.parallel_plan``) and the sequence length is the data's, both checked by the strategy."""
+    chunks = dims.pp * dims.vpp
+    if config.num_layers % chunks:
         raise ValueError(
-            f"num_layers ({config.num_layers}) must be divisible by pipeline_model_parallel_size ({dims.pp}) x "
-            f"virtual_pipeline_model_parallel_size ({dims.vpp})"
+            f"pipeline_model_parallel_size ({dims.pp}) x virtual_pipeline_model_parallel_size ({dims.vpp}) = "
+            f"{chunks} must divide the model's num_layers ({config.num_layers}): each pipeline stage (each of its "
+            f"virtual chunks) holds an equal number of layers; choose degrees whose product is one of "
+            f"{common_divisors(config.num_layers)}"
         )
-    check_experts(config, dims.ep, dims.expert_tensor_parallel_size)
+    check_experts(config, dims.ep, dims.expert_tensor_parallel_size, tp=dims.tp)
     if not resolve_transformer_engine(config, use_transformer_engine):  # TE's attention brings its own CP
         option = (
             "context_parallel_size"
@@ -330,14 +336,22 @@ def check_ulysses_heads(
     raise ValueError(
         f"{option} ({cp}) must divide the query heads of each tensor-parallel rank, num_heads "
         f"({config.num_heads}) / tensor_model_parallel_size ({tp}) = {config.num_heads // tp}: Ulysses attention "
-        "gives each context-parallel rank a share of the heads over the whole sequence (cp_comm_type 'p2p', ring "
-        "attention, does not)"
+        f"gives each context-parallel rank a share of the heads over the whole sequence; use one of "
+        f"{common_divisors(config.num_heads // tp)}, or cp_comm_type 'p2p' (ring attention), which does not split "
+        "the heads"
     )
 
 
-def check_experts(config: LLMConfig, ep: int, etp: int | None = None) -> None:
+def check_experts(config: LLMConfig, ep: int, etp: int | None = None, *, tp: int = 1) -> None:
     """Raise ``ValueError`` unless ``expert_model_parallel_size`` and ``expert_tensor_parallel_size`` (``None``:
-    TP, checked with the other TP divisors) fit the model's experts."""
+    ``tensor_model_parallel_size`` ``tp``, megatron-core's default) fit the model's experts."""
+    if etp is None and config.moe is not None and config.moe.intermediate_size % tp:
+        raise ValueError(
+            f"tensor_model_parallel_size ({tp}) must divide the model's moe.intermediate_size "
+            f"({config.moe.intermediate_size}): expert_tensor_parallel_size is unset, so each routed expert's width "
+            f"is split over the TP ranks; set expert_tensor_parallel_size to one of "
+            f"{common_divisors(config.moe.intermediate_size)} (1 keeps the experts whole)"
+        )
     if ep == 1 and etp is None:
         return
     if config.moe is None or not config.num_moe_layers:
@@ -349,10 +363,12 @@ def check_experts(config: LLMConfig, ep: int, etp: int | None = None) -> None:
     if etp is not None and config.moe.intermediate_size % etp:
         raise ValueError(
             f"expert_tensor_parallel_size ({etp}) must divide moe.intermediate_size ({config.moe.intermediate_size}):"
-            " each expert-tensor-parallel rank holds an equal slice of every expert's width"
+            " each expert-tensor-parallel rank holds an equal slice of every expert's width; use one of "
+            f"{common_divisors(config.moe.intermediate_size)}"
         )
     if config.moe.num_experts % ep:
         raise ValueError(
             f"expert_model_parallel_size ({ep}) must divide moe.num_experts ({config.moe.num_experts}): each "
-            "expert-parallel rank holds the same number of experts"
+            f"expert-parallel rank holds the same number of experts; use one of "
+            f"{common_divisors(config.moe.num_experts)}"
         )
