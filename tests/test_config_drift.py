@@ -43,7 +43,9 @@ def test_compare_refuses_model_keys_and_allows_only_named_keys_or_prefixes():
 
 
 def test_allow_changes_outside_the_data_optimizer_and_scheduler_sections_is_refused():
-    with pytest.raises(ValueError, match=r"\['model.init_args', 'trainer.max_steps'\]: only keys of the data"):
+    with pytest.raises(
+        ValueError, match=r"\['model.init_args', 'trainer.max_steps'\]: only keys of the data"
+    ):
         ConfigDriftCheck({}, allow_changes=["model.init_args", "trainer.max_steps", "scheduler"])
 
 
