@@ -42,7 +42,8 @@ def _args(corpus, name: str, devices: int, batch: int) -> list[str]:
 
 
 def _run(command: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(Path(__file__).parent)}
+    path = os.pathsep.join([str(Path(__file__).parent), *filter(None, [os.environ.get("PYTHONPATH")])])
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=400)
 
 
