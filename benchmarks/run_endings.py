@@ -124,13 +124,15 @@ def _child_args(args: argparse.Namespace, run: str) -> list[str]:
 
 
 def _child(argv: list[str]) -> None:
-    """The forge CLI, with the clocks of the process's own end: ``fit_returned`` and ``atexit`` (registered
-    first, so it runs after every other exit handler)."""
+    """The ``forge`` command (:func:`forge_lightning.cli.run`: ``main``, then ``exit_now``), with the clocks of the
+    process's own end: ``fit_returned`` and ``atexit`` (registered first, so it runs after every other exit
+    handler)."""
     atexit.register(lambda: harness.emit(f"CLOCK atexit {time.time()}"))
-    from forge_lightning.cli import main
+    from forge_lightning.cli import exit_now, main
 
     main(argv)
     harness.emit(f"CLOCK fit_returned {time.time()}")
+    exit_now(0)
 
 
 def disk_write_gbps(directory: Path, gb: float = 4.0) -> float:

@@ -90,6 +90,15 @@ def test_run_endings_script_times_each_stage_of_a_forge_fit_ending(tmp_path):
     assert not (tmp_path / "w" / "megatron").exists()
 
 
+def test_async_checkpoint_script_times_the_save_in_both_modes(tmp_path):
+    args = ["--steps", "5", "--save-at", "3", "--data", str(tmp_path / "qs"), "--work", str(tmp_path / "w")]
+    rows = _run("async_checkpoint.py", *args, out=tmp_path / "ac.json")
+    assert [r["mode"] for r in rows] == ["sync", "async"]
+    for r in rows:
+        assert r["returncode"] == 0 and r["checkpoint_gb"] > 0, r
+        assert r["save_step_s"] > 0 and r["last_step_to_exit_s"] > 0, r
+
+
 def _imports_of_tests(path: Path) -> list[str]:
     """The places in a benchmark script that import from ``tests/`` or put a ``tests/`` path on ``sys.path``."""
     test_modules = {p.stem for p in (REPO / "tests").rglob("*.py")} - {"__init__"}

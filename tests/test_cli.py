@@ -226,3 +226,19 @@ def test_a_diverging_run_stops_with_the_guards_error_and_exports_nothing(tiny_co
     ]
     assert "not applied" in output and "Lower optimizer.lr" in output
     assert not (tmp_path / "hf").exists()
+
+
+def test_exit_now_joins_threads_runs_exit_handlers_and_flushes():
+    """``forge`` leaves through ``exit_now``: what the interpreter's exit would do for a run's results (threads
+    that are not daemons finish, exit handlers run, buffered output is written) happens, with the exit code."""
+    code = (
+        "import atexit, sys, threading, time\n"
+        "from forge_lightning.cli import exit_now\n"
+        "threading.Thread(target=lambda: (time.sleep(0.3), print('thread finished'))).start()\n"
+        "atexit.register(lambda: print('exit handler ran'))\n"
+        "sys.stdout.write('buffered')\n"
+        "exit_now(3)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stdout.split() == ["bufferedthread", "finished", "exit", "handler", "ran"], proc.stdout

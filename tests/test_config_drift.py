@@ -66,10 +66,13 @@ def test_resume_with_another_model_data_or_optimizer_config(tiny_corpus, tmp_pat
     _fit(tiny_corpus, "--trainer.max_steps", "2")
     ckpt = str(tmp_path / "ckpt" / "epoch=0-step=2.ckpt")
     saved = torch.load(ckpt, weights_only=True)["callbacks"]["ConfigDriftCheck"]["config"]
-    assert saved["model.init_args.config.rope_theta"] == 10000.0 and saved["data.init_args.seq_length"] == 32
+    assert saved["model.config.rope_theta"] == 10000.0 and saved["data.init_args.seq_length"] == 32
+    assert not any(key.startswith("model.init_args.config") for key in saved)  # as the module resolved it
 
     resume = ["--trainer.max_steps", "4", "--ckpt_path", ckpt]
-    with pytest.raises(ValueError, match=r"(?s)rope_theta: checkpoint 10000.0, now 20000\n.*cannot change"):
+    with pytest.raises(
+        ValueError, match=r"(?s)model.config.rope_theta: checkpoint 10000.0, now 20000\n.*cannot"
+    ):
         _fit(tiny_corpus, *resume, "--model.init_args.config.rope_theta", "20000")
     changes = ["--data.seq_length", "16", "--optimizer.lr", "3e-4"]
     with pytest.raises(ValueError) as refused:

@@ -5,7 +5,8 @@ shapes), another ``seq_length`` or another dataset, it loads and trains on, sile
 adds :class:`ConfigDriftCheck`, which saves the ``model``, ``data``, ``optimizer`` and ``scheduler`` sections of the
 resolved config in each checkpoint and compares them when a fit resumes:
 
-* a differing ``model`` key refuses the resume (the weights were trained for the old model);
+* a differing ``model`` key refuses the resume (the weights were trained for the old model); the model's config is
+  compared as the module resolved it (a preset, a ``config.json`` or inline fields: the same model compares equal);
 * a differing ``data``, ``optimizer`` or ``scheduler`` key refuses it unless named in
   ``--resume.allow_changes KEY ...`` (a key or a section prefix such as ``optimizer`` or ``data.init_args``);
 
@@ -15,6 +16,8 @@ and the ``performance`` switches may change freely, as may :data:`NOT_COMPARED`.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,9 +27,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 COMPARED_SECTIONS = ("model", "data", "optimizer", "scheduler")
-NOT_COMPARED = frozenset({"pretrained", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor"})
+NOT_COMPARED = frozenset(
+    {"pretrained", "batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor"}
+)
 """Leaf keys that do not change what is trained: where the starting weights came from (the checkpoint replaces
-them) and how many processes read the data."""
+them), the per-device batch (it changes with the layout; the data loader's state checks the global batch on
+resume) and how many processes read the data."""
 _MISSING = "<absent>"
 
 
@@ -53,12 +59,22 @@ def flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
 
 
 def config_record(config: Mapping[str, Any]) -> dict[str, Any]:
-    """The compared part of a resolved config (a plain dict, as the CLI dumps it), flattened to dotted keys."""
-    return {
-        key: value
-        for key, value in flatten({s: config.get(s) for s in COMPARED_SECTIONS}).items()
-        if key.rsplit(".", 1)[-1] not in NOT_COMPARED
-    }
+    """The compared part of a resolved config (a plain dict, as the CLI dumps it), flattened to dotted keys, with
+    plain values only (what a checkpoint loads with ``weights_only``)."""
+    plain = json.loads(json.dumps({s: config.get(s) for s in COMPARED_SECTIONS}, default=str))
+    return {key: value for key, value in flatten(plain).items() if key.rsplit(".", 1)[-1] not in NOT_COMPARED}
+
+
+def with_model_config(record: Mapping[str, Any], config: Any) -> dict[str, Any]:
+    """``record`` with the module's resolved model config (a dataclass) under ``model.config.*`` in place of the
+    ``model.init_args.config`` the command line gave, which may be a preset name or a file's path: two runs of the
+    same file name can hold different models, and a preset and its ``config.json`` the same."""
+    if not dataclasses.is_dataclass(config) or isinstance(config, type):
+        return dict(record)
+    given = "model.init_args.config"
+    kept = {k: v for k, v in record.items() if k != given and not k.startswith(given + ".")}
+    resolved = json.loads(json.dumps(dataclasses.asdict(config), default=str))
+    return {**kept, **flatten(resolved, "model.config")}
 
 
 def _covered(key: str, allowed: Sequence[str]) -> bool:
@@ -122,6 +138,7 @@ class ConfigDriftCheck(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
+        self.record = with_model_config(self.record, getattr(pl_module, "config", None))
 
     @override
     def state_dict(self) -> dict[str, Any]:

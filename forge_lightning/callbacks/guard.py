@@ -25,7 +25,13 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from forge_lightning.contracts import StepLoss, nonfinite_gradients, skip_optimizer_step, trained_parameters
+from forge_lightning.contracts import (
+    SkippedStepAware,
+    StepLoss,
+    nonfinite_gradients,
+    skip_optimizer_step,
+    trained_parameters,
+)
 
 
 class NonFiniteGuard(Callback):
@@ -133,6 +139,8 @@ class NonFiniteGuard(Callback):
         reason: str,
     ) -> None:
         skip_optimizer_step(trainer.strategy, optimizer)
+        if isinstance(pl_module, SkippedStepAware):
+            pl_module.optimizer_step_skipped()
         self.skipped += 1
         self.consecutive += 1
         rank_zero_warn(

@@ -66,6 +66,15 @@ class StepLoss(Protocol):
 
 
 @runtime_checkable
+class SkippedStepAware(Protocol):
+    """A module that updates state of its own at the optimizer step (besides its weights), told when the coming step
+    is left out, so that the update is left out with it (e.g. the MoE selection bias of auxiliary-loss-free
+    balancing). The non-finite guard calls it before the module's ``on_before_optimizer_step``."""
+
+    def optimizer_step_skipped(self) -> None: ...
+
+
+@runtime_checkable
 class GenerativeModule(Protocol):
     """A module that continues token sequences (greedy or sampled, with a KV cache)."""
 

@@ -21,9 +21,13 @@ sharded state has built it, placed like the parameters). DCP reshards into it, a
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
 import shutil
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,24 +68,193 @@ def save_distributed_checkpoint(
     """
     from torch.distributed.checkpoint import FileSystemWriter, save
 
+    tmp = _fresh_temporary(path, barrier, is_global_zero=is_global_zero)
+    state, meta = _split(checkpoint)
+    save(state, storage_writer=FileSystemWriter(tmp, thread_count=writers, sync_files=True))
+    _complete(tmp, path, meta, barrier, is_global_zero=is_global_zero, writers=writers)
+
+
+def _fresh_temporary(path: Path, barrier: Callable[[], None], *, is_global_zero: bool) -> Path:
+    """The empty temporary directory beside ``path`` that a save writes into (a killed save's is removed)."""
     tmp = path.with_name(f".{path.name}.tmp")
     if is_global_zero and tmp.exists():
         shutil.rmtree(tmp)
     barrier()
-    checkpoint = dict(checkpoint)
-    state = {"state_dict": checkpoint.pop("state_dict")}
-    state.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
-    if "callbacks" in checkpoint:
-        checkpoint["callbacks"] = _take_dtensors(checkpoint["callbacks"], "callbacks", state)
-    save(state, storage_writer=FileSystemWriter(tmp, thread_count=writers, sync_files=True))
+    return tmp
+
+
+def _split(checkpoint: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(what DCP writes: model, optimizers, callback DTensors; what ``meta.pt`` holds: everything else)."""
+    meta = dict(checkpoint)
+    state = {"state_dict": meta.pop("state_dict")}
+    state.update({f"optimizer_{i}": s for i, s in enumerate(meta.pop("optimizer_states", []))})
+    if "callbacks" in meta:
+        meta["callbacks"] = _take_dtensors(meta["callbacks"], "callbacks", state)
+    return state, meta
+
+
+def _complete(
+    tmp: Path,
+    path: Path,
+    meta: dict[str, Any],
+    barrier: Callable[[], None],
+    *,
+    is_global_zero: bool,
+    writers: int,
+) -> None:
+    """Once every rank's shards are in ``tmp``: ``meta.pt``, the manifest, then the rename into place. Collective."""
     if is_global_zero:
-        atomic_torch_save(checkpoint, tmp / METADATA_FILE)
+        atomic_torch_save(meta, tmp / METADATA_FILE)
     barrier()
     write_directory_manifest_collective(tmp, threads=writers)
     barrier()
     if is_global_zero:
         replace(tmp, path)
     barrier()
+
+
+@dataclass
+class _SaveInFlight:
+    future: Future
+    tmp: Path
+    path: Path
+    meta: dict[str, Any]
+
+
+class AsyncDistributedCheckpoint:
+    """DCP saves that overlap training, as atomic and verified as :func:`save_distributed_checkpoint`'s.
+
+    A save copies this rank's shards to host memory (pinned on a GPU, reused from save to save) during the step
+    that saves, then DCP's writer threads write them while training goes on, over a gloo process group of their
+    own (so their collectives never interleave with the training's). The checkpoint is completed (``meta.pt``,
+    manifest, rename into place) by :meth:`wait`: at the next save, before a load, and when the strategy tears
+    down. Until then it is a hidden ``.<name>.tmp`` directory, and checkpoints ``ModelCheckpoint`` removes meanwhile
+    are removed after it is complete, so a run never has fewer complete checkpoints than it keeps.
+
+    Args:
+        writers: files each rank writes in parallel.
+    """
+
+    def __init__(self, writers: int = CHECKPOINT_WRITERS) -> None:
+        self.writers = writers
+        self._group: Any = None
+        self._stager: Any = None
+        self._in_flight: _SaveInFlight | None = None
+        self._removals: list[Callable[[], None]] = []
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether a save is being written."""
+        return self._in_flight is not None
+
+    def save(
+        self, checkpoint: dict[str, Any], path: Path, barrier: Callable[[], None], *, is_global_zero: bool
+    ) -> None:
+        """Start writing ``checkpoint`` to ``path`` (after completing the save in flight). Collective."""
+        from torch.distributed.checkpoint import FileSystemWriter, async_save
+
+        self.wait(barrier, is_global_zero=is_global_zero)
+        tmp = _fresh_temporary(path, barrier, is_global_zero=is_global_zero)
+        state, meta = _split(checkpoint)
+        meta = copy.deepcopy(meta)  # written when the save completes, after training went on
+        future = async_save(
+            state,
+            storage_writer=FileSystemWriter(tmp, thread_count=self.writers, sync_files=True),
+            process_group=self._process_group(),
+            async_stager=self._host_stager(),
+        )
+        self._in_flight = _SaveInFlight(future, tmp, path, meta)
+
+    def remove_after_save(self, remove: Callable[[], None]) -> None:
+        """Run ``remove`` (a checkpoint's removal) once the save in flight is complete, or now if none is."""
+        if self._in_flight is None:
+            remove()
+        else:
+            self._removals.append(remove)
+
+    def wait(self, barrier: Callable[[], None], *, is_global_zero: bool) -> None:
+        """Finish the save in flight, if any: wait for every rank's writes, then complete it. Collective.
+
+        Raises:
+            RuntimeError: a rank's writes failed (every rank raises, naming the ranks); the previous checkpoints
+                are untouched and the temporary directory is removed at the next start.
+        """
+        if self._in_flight is None:
+            return
+        flight, self._in_flight = self._in_flight, None
+        error = None
+        try:
+            flight.future.result()
+        except Exception as err:  # reported on every rank below, so no rank waits for the others forever
+            error = f"{type(err).__name__}: {err}"
+        failed = _ranks_failed(error)
+        if failed:
+            raise RuntimeError(
+                f"asynchronous checkpoint {flight.path} failed on rank(s) {[rank for rank, _ in failed]}: "
+                f"{failed[0][1]}. It was not completed; the previous checkpoints are intact"
+            )
+        _complete(
+            flight.tmp, flight.path, flight.meta, barrier, is_global_zero=is_global_zero, writers=self.writers
+        )
+        removals, self._removals = self._removals, []
+        for remove in removals:
+            remove()
+
+    def abandon(self) -> None:
+        """After an error: wait for this rank's writes (no collective), and leave the save incomplete."""
+        if self._in_flight is not None:
+            flight, self._in_flight = self._in_flight, None
+            with contextlib.suppress(
+                Exception
+            ):  # the run is failing already; the next start removes the temporary
+                flight.future.result()
+        self._removals.clear()
+
+    def close(self) -> None:
+        """Release the pinned staging buffers and the writers' process group (after :meth:`wait`)."""
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+        if self._group is not None:
+            import torch.distributed as dist
+
+            dist.destroy_process_group(self._group)
+            self._group = None
+
+    def _process_group(self) -> Any:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")  # collective: the first save runs on every rank
+        return self._group
+
+    def _host_stager(self) -> Any:
+        from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+        if self._stager is None:
+            cuda = torch.cuda.is_available()
+            self._stager = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=False,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._stager
+
+
+def _ranks_failed(error: str | None) -> list[tuple[int, str]]:
+    """Every rank's error (``None``: it succeeded), gathered: the ranks that failed, with their errors."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return [(0, error)] if error else []
+    errors: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    return [(rank, e) for rank, e in enumerate(errors) if e is not None]
 
 
 def _take_dtensors(tree: Any, key: str, out: dict[str, Any]) -> Any:

@@ -51,6 +51,7 @@ from forge_lightning.strategies import parallelize as par
 from forge_lightning.strategies.comm import FSDPCommHandles, apply_fsdp_comm_options, check_fsdp_comm_options
 from forge_lightning.strategies.distributed_checkpoint import (
     CHECKPOINT_WRITERS,
+    AsyncDistributedCheckpoint,
     full_model_state_dict,
     load_distributed_checkpoint,
     save_distributed_checkpoint,
@@ -180,6 +181,9 @@ class FSDP2Strategy(ModelParallelStrategy):
             gradient (an fp32 buffer the size of each unit's unsharded gradient).
         fp8_block: elements per fp32 scale in the FP8 collectives.
         checkpoint_writers: files each rank writes in parallel when saving a checkpoint.
+        async_checkpoint: write checkpoints while training goes on: the step that saves only copies the shards
+            to host memory; the save is completed (manifest, rename into place) at the next save or at the end
+            (:class:`~forge_lightning.strategies.distributed_checkpoint.AsyncDistributedCheckpoint`).
         process_group_backend: ``nccl``, ``gloo``...; default from the device.
         timeout: collective timeout.
     """
@@ -211,6 +215,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         fp8_error_feedback: bool = True,
         fp8_block: int = 256,
         checkpoint_writers: int = CHECKPOINT_WRITERS,
+        async_checkpoint: bool = False,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -235,6 +240,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         if checkpoint_writers < 1:
             raise ValueError(f"checkpoint_writers must be at least 1, got {checkpoint_writers}")
         self.checkpoint_writers = checkpoint_writers
+        self._async = AsyncDistributedCheckpoint(checkpoint_writers) if async_checkpoint else None
         self.unsharded_components = list(unsharded_components or [])
         self.replicated_components = list(replicated_components or [])
         overlap = set(self.unsharded_components) & set(self.replicated_components)
@@ -496,6 +502,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes its own checkpoints and takes no storage_options")
         path = Path(self.broadcast(str(filepath)))
+        if self._async is not None:
+            self._async.save(checkpoint, path, self.barrier, is_global_zero=self.is_global_zero)
+            return
         save_distributed_checkpoint(
             checkpoint,
             path,
@@ -503,6 +512,29 @@ class FSDP2Strategy(ModelParallelStrategy):
             is_global_zero=self.is_global_zero,
             writers=self.checkpoint_writers,
         )
+
+    @override
+    def remove_checkpoint(self, filepath: Any) -> None:
+        """Remove a checkpoint; with ``async_checkpoint``, once the save in flight is complete."""
+        remove = super().remove_checkpoint
+        if self._async is None:
+            remove(filepath)
+        else:
+            self._async.remove_after_save(lambda: remove(filepath))
+
+    @override
+    def teardown(self) -> None:
+        """Complete the asynchronous save in flight (after an error: only wait for this rank's writes), then
+        Lightning's teardown."""
+        if self._async is not None:
+            module = self.lightning_module
+            trainer = module.trainer if module is not None and module._trainer is not None else None
+            if trainer is not None and not trainer.interrupted:
+                self._async.wait(self.barrier, is_global_zero=self.is_global_zero)
+            else:
+                self._async.abandon()
+            self._async.close()
+        super().teardown()
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -526,6 +558,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        if self._async is not None:
+            self._async.wait(self.barrier, is_global_zero=self.is_global_zero)
         path = Path(self.broadcast(str(checkpoint_path)))
         assert self.model is not None and self.lightning_module is not None
         # Lightning restores after setup and on_fit_start here, so callbacks hold their sharded state (the

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -642,3 +643,36 @@ def test_selection_bias_moves_towards_balance_after_each_step() -> None:
         torch.testing.assert_close(block.gate.e_score_correction_bias, old + step, atol=0, rtol=0)
     with pytest.raises(ValueError, match=r"moe.bias_update_rate \(0.01\) needs the selection bias"):
         LLMConfig.from_preset("debug-moe", moe={**PRESETS["debug-moe"]["moe"], "bias_update_rate": 0.01})
+
+
+def test_a_step_the_guard_leaves_out_leaves_the_selection_bias_as_it_was() -> None:
+    """A non-finite loss at step 1: the guard leaves the step out, and the selection bias of aux-loss-free balancing
+    does not move either (the bias is state of the step like the weights); the steps around it move it."""
+    from forge_lightning.callbacks import NonFiniteGuard
+
+    preset = PRESETS["debug-deepseek"]
+    config = LLMConfig.from_preset("debug-deepseek", moe={**preset["moe"], "bias_update_rate": 0.05})
+    torch.manual_seed(0)
+
+    class NanAtStep1(CausalLM):
+        def loss_sum(self, batch):
+            loss, count = super().loss_sum(batch)
+            return (loss * math.nan, count) if self.trainer.global_step == 1 else (loss, count)
+
+    model = NanAtStep1(config=config, optimizer={"lr": 1e-3})
+    biases = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, *args):
+            biases.append(
+                torch.cat([b.gate.e_score_correction_bias.clone() for b in model.model.moe_blocks()])
+            )
+
+    input_ids = torch.randint(0, config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": input_ids, "labels": input_ids.roll(-1, dims=1)}
+    trainer = _quiet_trainer(max_steps=3, callbacks=[NonFiniteGuard(), Record()])
+    with pytest.warns(UserWarning, match="step 1 not applied"):
+        trainer.fit(model, train_dataloaders=DataLoader([batch] * 3, batch_size=None))
+    assert not torch.equal(biases[0], torch.zeros_like(biases[0]))  # step 0 moved it
+    assert torch.equal(biases[1], biases[0])  # step 1 was left out
+    assert not torch.equal(biases[2], biases[1])  # step 2 moves it again

@@ -276,6 +276,8 @@ TP2_SP += ["--trainer.strategy.sequence_parallel", "true"]
 ETP1 = [*TP2_SP, "--trainer.strategy.expert_tensor_parallel_size", "1"]
 PP2 = ["--trainer.strategy", STRATEGY, "--trainer.strategy.pipeline_model_parallel_size", "2"]
 RESUMED_AT = "epoch=0-step=2.ckpt"
+TP1 = ["--trainer.strategy", "megatron"]
+NAN_AT_1 = ["--trainer.callbacks+={class_path: nan_gradient.NanGradientAtStep, init_args: {step: 1}}"]
 
 
 def _qwen2_moe() -> LLMConfig:
@@ -307,6 +309,8 @@ def fit_plan(corpus: dict[str, Path], root: Path) -> list[dict]:
         _fit(root, corpus, deepseek, "deepseek_ep2", *EP2, devices=2, batch=2),
         _fit(root, corpus, deepseek, "deepseek_tp2_sp", *TP2_SP, devices=2, batch=4),
         _fit(root, corpus, deepseek, "deepseek_native_dp2", devices=2, batch=2),
+        _fit(root, corpus, deepseek, "deepseek_skip_native", *NAN_AT_1, devices=1, batch=4, steps=4),
+        _fit(root, corpus, deepseek, "deepseek_skip_megatron", *NAN_AT_1, *TP1, devices=1, batch=4, steps=4),
         _fit(root, corpus, qwen2, "resume_ep2", *EP2, devices=2, batch=2, steps=4, save_every=2),
         _fit(root, corpus, qwen2, "resume_ep2_same", *EP2, "--ckpt_path", ckpt, batch=2, **resume),
         _fit(root, corpus, qwen2, "resume_etp1", *etp1_ep2, "--ckpt_path", ckpt, batch=4, **resume),
@@ -363,6 +367,17 @@ def test_strategy_fit_of_deepseek_v3_matches_one_process(fit_runs):
     # router z-loss is logged from rank 0's micro-batch, so only the training loss compares.
     rows = fit_runs.rows("deepseek_native_dp2")
     _assert_same_losses(rows, reference, "native_dp2", keys=("train/loss",))
+
+
+def test_a_step_left_out_leaves_the_selection_bias_out_under_megatron_too(fit_runs):
+    """A NaN gradient at step 1 of the tiny DeepSeek-V3 (aux-loss-free balancing on): the guard leaves the step out.
+    megatron-core moves the selection bias inside its schedule, before the optimizer step; MegatronStrategy puts it
+    back, so its losses stay the native model's, which leaves the bias update out with the step."""
+    native, megatron = fit_runs.rows("deepseek_skip_native"), fit_runs.rows("deepseek_skip_megatron")
+    got, want = _column(megatron, "train/loss"), _column(native, "train/loss")
+    assert sorted(got) == sorted(want) == [0, 1, 2, 3]
+    assert max(abs(got[s] - want[s]) for s in got) <= 1e-5, (got, want)
+    assert _column(native, "train/skipped_steps")[3] == _column(megatron, "train/skipped_steps")[3] == 1
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])

@@ -234,3 +234,31 @@ def test_zero1_matches_one_process_and_resumes_on_one_process(runner):
 )
 def test_ddp_hooks_match_one_process(runner, name, args, tol):
     _assert_same(runner(name, *args), runner.reference, tol=tol)
+
+
+def test_fsdp2_async_checkpoints_match_and_resume_on_one_process(runner):
+    """``async_checkpoint``: the saves at steps 2 and 4 are written while training goes on; the first is completed
+    by the second save, the second when fit ends, and ``save_top_k: 1`` removes step 2 only once step 4 is complete.
+    The losses are the uninterrupted ones, and step 4's checkpoint (verified by its manifest) resumes on one
+    process."""
+    strategy = ["--trainer.strategy=forge_lightning.strategies.FSDP2Strategy"]
+    strategy += ["--trainer.strategy.async_checkpoint=true"]
+    keep_one = (
+        "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: "
+        "{dirpath: ckpt_fsdp2_async, every_n_train_steps: 2, save_top_k: 1, monitor: step, mode: max}}]"
+    )
+    _assert_same(
+        runner("fsdp2_async", *strategy, "--trainer.enable_checkpointing=true", keep_one), runner.reference
+    )
+    folder = runner.root / "ckpt_fsdp2_async"
+    assert sorted(p.name for p in folder.iterdir()) == ["epoch=0-step=4.ckpt"]
+    assert manifest.verify(folder / "epoch=0-step=4.ckpt").ok
+    resumed = runner(
+        "fsdp2_async_resume",
+        *strategy,
+        "--ckpt_path",
+        str(folder / "epoch=0-step=4.ckpt"),
+        devices=1,
+        batch=4,
+    )
+    _assert_same(resumed, runner.reference, steps=[4])

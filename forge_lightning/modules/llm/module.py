@@ -288,6 +288,11 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
         """This rank's ``[loss sum, tokens]`` of the coming optimizer step (:class:`~forge_lightning.contracts.StepLoss`)."""
         return self.objective.pending_train()
 
+    def optimizer_step_skipped(self) -> None:
+        """The coming step is left out (:class:`~forge_lightning.contracts.SkippedStepAware`): so is its expert-bias
+        update."""
+        self._step_expert_load = None
+
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self._update_expert_bias()

@@ -190,6 +190,7 @@ class MegatronStrategy(ParallelStrategy):
         self._chunks: list[nn.Module] = []
         self._pending: list[dict[str, torch.Tensor]] = []
         self._skip_step = False
+        self._biases_before: list[tuple[torch.Tensor, torch.Tensor]] = []
         self._bf16 = False
 
     # ----- processes and parallel groups ------------------------------------------------------------------------
@@ -445,6 +446,9 @@ class MegatronStrategy(ParallelStrategy):
             chunk.zero_grad_buffer()
         self._components.zero_grad_buffers()
         self.optimizers[0].zero_grad()
+        # megatron-core moves the routers' selection bias (auxiliary-loss-free balancing) inside the schedule, before
+        # the optimizer step: kept, so that a step left out (skip_optimizer_step) leaves the bias out too.
+        self._biases_before = [(bias, bias.clone()) for bias in self._selection_biases()]
         sums = run_schedule(self._chunks, batches, forward_only=False, twin=self._twin)
         self._twin.after_schedule(self._chunks, sums, training=True, num_micro_batches=len(batches))
         return (sums[0] / sums[1].clamp_min(1)).float()  # this data rank's mean, for Lightning's outputs
@@ -483,8 +487,21 @@ class MegatronStrategy(ParallelStrategy):
         return torch.stack(flags).sum().float() if flags else torch.zeros((), device=self.root_device)
 
     def skip_optimizer_step(self, optimizer: Any) -> None:
-        """Leave the coming megatron optimizer step out (:class:`~forge_lightning.contracts.GradientGate`)."""
+        """Leave the coming megatron optimizer step out (:class:`~forge_lightning.contracts.GradientGate`), and the
+        step's move of the routers' selection bias with it."""
         self._skip_step = True
+        with torch.no_grad():
+            for bias, before in self._biases_before:
+                bias.copy_(before)
+
+    def _selection_biases(self) -> list[torch.Tensor]:
+        """The MoE routers' selection biases (``expert_bias`` buffers) of this rank's chunks."""
+        return [
+            buffer
+            for chunk in self._chunks
+            for name, buffer in chunk.named_buffers()
+            if name.endswith("expert_bias")
+        ]
 
     # ----- evaluation -------------------------------------------------------------------------------------------
     def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
