@@ -277,6 +277,7 @@ def test_existing_export_is_only_replaced_on_request(tmp_path: Path) -> None:
     save_pretrained(model, model.config, out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == [
         "config.json",
+        "forge-manifest.json",
         "generation_config.json",
         "model.safetensors",
     ]
