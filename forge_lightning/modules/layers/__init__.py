@@ -22,12 +22,19 @@ from forge_lightning.modules.layers.moe import (
     router_losses,
 )
 from forge_lightning.modules.layers.norms import RMSNorm
-from forge_lightning.modules.layers.rope import ROPE_TYPES, RotaryEmbedding, apply_rotary, rope_inv_freq
+from forge_lightning.modules.layers.rope import (
+    ROPE_TYPES,
+    AxialRotaryEmbedding,
+    RotaryEmbedding,
+    apply_rotary,
+    rope_inv_freq,
+)
 
 __all__ = [
     "ATTENTION_BACKENDS",
     "ROPE_TYPES",
     "Attention",
+    "AxialRotaryEmbedding",
     "DocumentMask",
     "Experts",
     "GatedMLP",

@@ -8,12 +8,13 @@ Data flow of :class:`Attention` (B batch, S new tokens, H query heads, K key/val
 
 :func:`attention` is the one place a kernel is chosen. Packed sequences (several documents per row, see
 ``forge_lightning.datamodules.packing``) attend within each document through a :class:`DocumentMask`, built once
-per forward by the backend chosen in config:
+per forward by the backend chosen in config. The mask is causal within each document by default; encoders
+(e.g. vision towers that pack several images or attention windows into one row) build it with ``causal=False``:
 
 =========  ======================================================================  ==========================
 backend    packed attention                                                         where
 =========  ======================================================================  ==========================
-``sdpa``   SDPA with an explicit block-diagonal causal boolean mask ``[B,1,S,S]``   everywhere (CPU training)
+``sdpa``   SDPA with an explicit block-diagonal (causal) boolean mask ``[B,1,S,S]`` everywhere (CPU training)
 ``flex``   FlexAttention with a document ``BlockMask`` (compiled on CUDA), which    CUDA (fwd + bwd); CPU
            skips the blocks outside the documents                                   forward only (eager)
 ``varlen`` ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen) on     CUDA, fp16 / bf16
@@ -84,7 +85,8 @@ def document_lengths(document_ids: Tensor) -> Tensor:
 
 @dataclass
 class DocumentMask:
-    """Causal attention restricted to each document of packed rows, in the form one backend consumes.
+    """Attention restricted to each document of packed rows (causal within it, or not), in the form one backend
+    consumes.
 
     Build with :meth:`build` once per forward and pass it to every layer.
 
@@ -95,6 +97,7 @@ class DocumentMask:
         block_mask: FlexAttention ``BlockMask`` (``flex``).
         cu_seqlens: ``[num_documents + 1]`` int32 document offsets in the flattened batch (``varlen``).
         max_seqlen: longest document (``varlen``).
+        causal: each token attends to the earlier tokens of its document only; ``False``: to all of them.
     """
 
     document_ids: Tensor
@@ -103,31 +106,38 @@ class DocumentMask:
     block_mask: Any = None
     cu_seqlens: Tensor | None = None
     max_seqlen: int = 0
+    causal: bool = True
 
     @classmethod
-    def build(cls, document_ids: Tensor, backend: str = "auto") -> DocumentMask:
-        """Prepare the mask of ``document_ids`` ``[B, S]`` for ``backend`` (see :data:`ATTENTION_BACKENDS`)."""
+    def build(cls, document_ids: Tensor, backend: str = "auto", *, causal: bool = True) -> DocumentMask:
+        """Prepare the mask of ``document_ids`` ``[B, S]`` for ``backend`` (see :data:`ATTENTION_BACKENDS`),
+        causal within each document unless ``causal`` is false."""
         backend = resolve_attention_backend(backend, document_ids.device)
         B, S = document_ids.shape
         if backend == "sdpa":
-            same_doc_BSS = document_ids[:, :, None] == document_ids[:, None, :]
-            causal_SS = torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
-            return cls(document_ids, backend, dense=(same_doc_BSS & causal_SS)[:, None])
+            allowed_BSS = document_ids[:, :, None] == document_ids[:, None, :]
+            if causal:
+                allowed_BSS &= torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
+            return cls(document_ids, backend, dense=allowed_BSS[:, None], causal=causal)
         if backend == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
 
-            def same_document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-                return (document_ids[b, q_idx] == document_ids[b, kv_idx]) & (q_idx >= kv_idx)
+            def same_document(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return document_ids[b, q_idx] == document_ids[b, kv_idx]
 
-            block_mask = create_block_mask(same_document_causal, B, None, S, S, device=document_ids.device)
-            return cls(document_ids, backend, block_mask=block_mask)
+            def same_document_causal(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+                return same_document(b, h, q_idx, kv_idx) & (q_idx >= kv_idx)
+
+            mask_mod = same_document_causal if causal else same_document
+            block_mask = create_block_mask(mask_mod, B, None, S, S, device=document_ids.device)
+            return cls(document_ids, backend, block_mask=block_mask, causal=causal)
         counts = document_lengths(document_ids)  # documents of the flattened batch
         cu_seqlens = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-        return cls(document_ids, backend, cu_seqlens=cu_seqlens, max_seqlen=int(counts.max()))
+        return cls(document_ids, backend, cu_seqlens=cu_seqlens, max_seqlen=int(counts.max()), causal=causal)
 
 
 def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask) -> Tensor:
-    """Causal attention within documents, ``[B, H, S, D]`` in and out, on the mask's backend."""
+    """Attention within documents (causal if the mask is), ``[B, H, S, D]`` in and out, on the mask's backend."""
     B, H, S, D = q.shape
     gqa = q.shape[1] != k.shape[1]
     if documents.backend == "flex":
@@ -141,7 +151,10 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
 
         # The keywords changed across torch releases: causality is `is_causal` in 2.10 and `window_size` from
         # 2.11; `enable_gqa` exists from 2.12 (FlashAttention takes fewer key/value heads natively before).
-        causal = {"window_size": (-1, 0)} if "window_size" in _VARLEN_PARAMS else {"is_causal": True}
+        if "window_size" in _VARLEN_PARAMS:
+            causal = {"window_size": (-1, 0) if documents.causal else (-1, -1)}
+        else:
+            causal = {"is_causal": documents.causal}
         if gqa and "enable_gqa" in _VARLEN_PARAMS:
             causal["enable_gqa"] = True
         cu, longest = documents.cu_seqlens, documents.max_seqlen
@@ -184,7 +197,7 @@ def attention(
         causal: apply the causal constraint.
         mask: optional boolean (True = attend) or additive float mask broadcastable to ``[B, 1, S_q, S_kv]``;
             it restricts attention further and is combined with the causal mask.
-        documents: packed-document mask (causal within each document); excludes ``mask`` and a KV cache.
+        documents: packed-document mask; excludes ``mask`` and a KV cache, and ``causal`` must match the mask's.
         fp8: the layer's FP8 attention state: causal self-attention without a mask, documents or cached
             positions runs in FP8 (:func:`~forge_lightning.kernels.fp8_attention.fp8_attention`); the other
             cases stay in the inputs' precision.
@@ -195,8 +208,13 @@ def attention(
     if fp8 is not None and causal and mask is None and documents is None and q.shape[2] == k.shape[2]:
         return fp8_attention(q, k, v, fp8)
     if documents is not None:
-        if mask is not None or not causal or q.shape[2] != k.shape[2]:
-            raise ValueError("packed documents need causal self-attention without another mask or a KV cache")
+        if causal != documents.causal:
+            raise ValueError(
+                f"causal ({causal}) differs from the packed-document mask's ({documents.causal}): pass "
+                f"causal={documents.causal} or build the mask with DocumentMask.build(..., causal={causal})"
+            )
+        if mask is not None or q.shape[2] != k.shape[2]:
+            raise ValueError("packed documents need self-attention without another mask or a KV cache")
         return _document_attention(q, k, v, documents)
     num_rep = q.shape[1] // k.shape[1]
     q_len, kv_len = q.shape[2], k.shape[2]

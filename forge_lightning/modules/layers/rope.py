@@ -112,6 +112,36 @@ class RotaryEmbedding(nn.Module):
         return f"head_dim={self.head_dim}, theta={self.theta}, scaling={self.scaling}"
 
 
+class AxialRotaryEmbedding(RotaryEmbedding):
+    """RoPE over several coordinates per token (2-D for image patches: row and column).
+
+    The ``head_dim / 2`` rotated pairs are split evenly between the axes: axis ``a`` rotates pairs
+    ``[a * F, (a + 1) * F)`` with ``F = head_dim / (2 * num_axes)`` by its coordinate, with the frequencies of a
+    plain RoPE of head size ``head_dim / num_axes`` (the axial RoPE of Qwen2-VL / Qwen2.5-VL's vision towers).
+    The tables plug into :func:`apply_rotary`. The inherited ``head_dim`` attribute is that per-axis size.
+
+    Args:
+        head_dim: size of one attention head (a multiple of ``2 * num_axes``).
+        num_axes: coordinates per token.
+        theta: RoPE base wavelength.
+    """
+
+    def __init__(self, head_dim: int, num_axes: int = 2, theta: float = 10000.0) -> None:
+        if num_axes < 1 or head_dim % (2 * num_axes):
+            raise ValueError(f"head_dim ({head_dim}) must be a multiple of 2 * num_axes ({num_axes})")
+        super().__init__(head_dim // num_axes, theta)  # the frequencies of one axis
+        self.num_axes = num_axes
+
+    def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        """Return ``(cos, sin)`` of shape ``[..., head_dim // 2]`` in fp32 for ``positions`` ``[..., num_axes]``."""
+        angles = positions.float()[..., None] * self.inv_freq  # [..., num_axes, head_dim / (2 * num_axes)]
+        angles = angles.flatten(-2)
+        return angles.cos(), angles.sin()
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim * self.num_axes}, num_axes={self.num_axes}, theta={self.theta}"
+
+
 def apply_rotary(x_BSHD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotate query or key heads by their positions' angles (computed in fp32, returned in ``x``'s dtype).
 
