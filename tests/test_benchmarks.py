@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 BENCHMARKS = REPO / "benchmarks"
 # On PYTHONPATH, its sitecustomize.py installs the CPU shim of megatron-core's CUDA calls in every process.
@@ -70,8 +72,14 @@ def test_megatron_throughput_script_trains_its_megatron_and_fsdp2_paths(tmp_path
         assert abs(r["first_loss"] - FIRST_LOSS) < 0.2 and abs(r["last_loss"] - FIRST_LOSS) < 0.2, r
 
 
-def test_run_endings_script_times_each_stage_of_a_forge_fit_ending(tmp_path):
-    args = ["--runs", "single", "megatron", "--steps", "2", "--data", str(tmp_path / "qs")]
+@pytest.fixture(scope="module")
+def quickstart_dir(tmp_path_factory) -> Path:
+    """Where the scripts that train the quick-start model find its data: the first one builds it there."""
+    return tmp_path_factory.mktemp("quickstart") / "data"
+
+
+def test_run_endings_script_times_each_stage_of_a_forge_fit_ending(tmp_path, quickstart_dir):
+    args = ["--runs", "single", "megatron", "--steps", "2", "--data", str(quickstart_dir)]
     rows = _run(
         "run_endings.py",
         *args,
@@ -90,8 +98,8 @@ def test_run_endings_script_times_each_stage_of_a_forge_fit_ending(tmp_path):
     assert not (tmp_path / "w" / "megatron").exists()
 
 
-def test_async_checkpoint_script_times_the_save_in_both_modes(tmp_path):
-    args = ["--steps", "5", "--save-at", "3", "--data", str(tmp_path / "qs"), "--work", str(tmp_path / "w")]
+def test_async_checkpoint_script_times_the_save_in_both_modes(tmp_path, quickstart_dir):
+    args = ["--steps", "5", "--save-at", "3", "--data", str(quickstart_dir), "--work", str(tmp_path / "w")]
     rows = _run("async_checkpoint.py", *args, out=tmp_path / "ac.json")
     assert [r["mode"] for r in rows] == ["sync", "async"]
     for r in rows:

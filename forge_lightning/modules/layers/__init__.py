@@ -23,15 +23,19 @@ from forge_lightning.modules.layers.moe import (
 )
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import (
+    MROPE_KEYS,
     ROPE_TYPES,
     AxialRotaryEmbedding,
+    MultimodalRotaryEmbedding,
     RotaryEmbedding,
     apply_rotary,
+    mrope_axis_of_freq,
     rope_inv_freq,
 )
 
 __all__ = [
     "ATTENTION_BACKENDS",
+    "MROPE_KEYS",
     "ROPE_TYPES",
     "Attention",
     "AxialRotaryEmbedding",
@@ -44,6 +48,7 @@ __all__ = [
     "LatentKVCache",
     "MoEBlock",
     "MultiLatentAttention",
+    "MultimodalRotaryEmbedding",
     "RMSNorm",
     "RotaryEmbedding",
     "RouterLosses",
@@ -53,6 +58,7 @@ __all__ = [
     "apply_rotary",
     "attention",
     "init_linear",
+    "mrope_axis_of_freq",
     "rope_inv_freq",
     "router_losses",
 ]

@@ -7,7 +7,7 @@ Rotation convention: the head dimension is split into two halves ``(x1, x2)`` th
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -23,6 +23,9 @@ ROPE_SCALING_KEYS: dict[str, frozenset[str]] = {
     ),
 }
 """Parameters each scaled rope type needs (besides ``rope_type``)."""
+
+MROPE_KEYS: frozenset[str] = frozenset({"mrope_section", "mrope_interleaved"})
+"""Hugging Face rope-parameter keys of multimodal RoPE (Qwen2-VL / Qwen2.5-VL / Qwen3-VL), beside the rope type."""
 
 
 def rope_inv_freq(
@@ -44,6 +47,11 @@ def rope_inv_freq(
     Returns:
         Tensor of shape ``[head_dim // 2]`` (fp32).
     """
+    if scaling is not None and MROPE_KEYS & set(scaling):
+        raise ValueError(
+            f"rope scaling with {sorted(MROPE_KEYS & set(scaling))} (multimodal RoPE) rotates each frequency by "
+            "one of several position axes: build MultimodalRotaryEmbedding, not 1-D frequencies"
+        )
     exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim
     inv_freq = 1.0 / (theta**exponents)
     rope_type = "default" if scaling is None else scaling["rope_type"]
@@ -140,6 +148,109 @@ class AxialRotaryEmbedding(RotaryEmbedding):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim * self.num_axes}, num_axes={self.num_axes}, theta={self.theta}"
+
+
+class MultimodalRotaryEmbedding(RotaryEmbedding):
+    """Multimodal RoPE (M-RoPE, Qwen2-VL arXiv:2409.12191): each rotated pair takes its angle from one of several
+    position axes (temporal, height, width), so ``position_ids`` are ``[num_axes, B, S]``.
+
+    ``mrope_section[a]`` frequencies (of the ``head_dim / 2``) follow axis ``a``. Chunked layout (Qwen2-VL /
+    Qwen2.5-VL): the first ``section[0]`` frequencies follow axis 0, the next ``section[1]`` axis 1, and so on.
+    Interleaved layout (Qwen3-VL): frequency ``i`` follows axis ``a = i % num_axes`` when ``a > 0`` and
+    ``i < num_axes * section[a]``, else axis 0, which spreads every axis over low and high frequencies::
+
+        section [2, 1, 1], 4 frequencies:  chunked  T T H W    interleaved  T H W T
+
+    Text tokens carry the same position on every axis, where M-RoPE equals plain RoPE; ``[B, S]`` positions are
+    taken as such. The tables plug into :func:`apply_rotary`.
+
+    Args:
+        head_dim: size of one attention head (even).
+        mrope_section: frequencies per position axis; they sum to ``head_dim // 2``.
+        theta: RoPE base wavelength.
+        scaling: optional frequency scaling, see :func:`rope_inv_freq`.
+        interleaved: the interleaved layout instead of the chunked one.
+    """
+
+    axis_of_freq: Tensor
+
+    def __init__(
+        self,
+        head_dim: int,
+        mrope_section: Sequence[int],
+        theta: float = 10000.0,
+        scaling: Mapping[str, Any] | None = None,
+        *,
+        interleaved: bool = False,
+    ) -> None:
+        self.mrope_section = [int(n) for n in mrope_section]
+        self.interleaved = interleaved
+        if any(n <= 0 for n in self.mrope_section) or sum(self.mrope_section) != head_dim // 2:
+            raise ValueError(
+                f"mrope_section ({self.mrope_section}) must be positive counts summing to head_dim // 2 "
+                f"({head_dim // 2})"
+            )
+        super().__init__(head_dim, theta, scaling)
+
+    @property
+    def num_axes(self) -> int:
+        """Position axes (the leading size of ``position_ids``)."""
+        return len(self.mrope_section)
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        axis = mrope_axis_of_freq(self.mrope_section, interleaved=self.interleaved, device=self.inv_freq.device)
+        if "axis_of_freq" in self._buffers:
+            self.axis_of_freq = axis
+        else:  # first call, from __init__: a buffer follows the module's device, derived (not in the state dict)
+            self.register_buffer("axis_of_freq", axis, persistent=False)
+
+    def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """Return ``(cos, sin)`` ``[B, S, head_dim // 2]`` (fp32) for ``position_ids`` ``[num_axes, B, S]`` or
+        ``[B, S]`` (the same position on every axis)."""
+        if position_ids.ndim == 2:
+            return super().forward(position_ids)
+        if position_ids.ndim != 3 or position_ids.shape[0] != self.num_axes:
+            raise ValueError(
+                f"position_ids of shape {list(position_ids.shape)} must be [{self.num_axes}, B, S] (one row per "
+                f"mrope_section axis) or [B, S]"
+            )
+        positions_BSF = position_ids[self.axis_of_freq].movedim(0, -1)  # [F, B, S] -> [B, S, F]
+        angles_BSF = positions_BSF.float() * self.inv_freq
+        return angles_BSF.cos(), angles_BSF.sin()
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, mrope_section={self.mrope_section}, interleaved={self.interleaved}"
+
+
+def mrope_axis_of_freq(
+    mrope_section: Sequence[int], *, interleaved: bool = False, device: torch.device | str | None = None
+) -> Tensor:
+    """The position axis each RoPE frequency follows under M-RoPE (see :class:`MultimodalRotaryEmbedding`).
+
+    Args:
+        mrope_section: frequencies per position axis.
+        interleaved: the interleaved (Qwen3-VL) layout instead of the chunked one.
+        device: where to build the tensor.
+
+    Returns:
+        Long tensor ``[sum(mrope_section)]`` of axis indices.
+    """
+    num_axes, num_freqs = len(mrope_section), sum(mrope_section)
+    axes = torch.arange(num_axes, device=device)
+    if not interleaved:
+        return axes.repeat_interleave(torch.tensor(list(mrope_section), device=device))
+    freq = torch.arange(num_freqs, device=device)
+    axis = freq % num_axes
+    limits = torch.tensor(list(mrope_section), device=device)[axis] * num_axes
+    axis = torch.where((axis > 0) & (freq < limits), axis, 0)
+    counts = torch.bincount(axis, minlength=num_axes).tolist()
+    if counts != list(mrope_section):
+        raise ValueError(
+            f"mrope_section ({list(mrope_section)}) cannot be interleaved over {num_freqs} frequencies: the "
+            f"layout gives the axes {counts}"
+        )
+    return axis
 
 
 def apply_rotary(x_BSHD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
