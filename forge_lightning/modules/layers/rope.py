@@ -199,7 +199,9 @@ class MultimodalRotaryEmbedding(RotaryEmbedding):
 
     def reset_parameters(self) -> None:
         super().reset_parameters()
-        axis = mrope_axis_of_freq(self.mrope_section, interleaved=self.interleaved, device=self.inv_freq.device)
+        axis = mrope_axis_of_freq(
+            self.mrope_section, interleaved=self.interleaved, device=self.inv_freq.device
+        )
         if "axis_of_freq" in self._buffers:
             self.axis_of_freq = axis
         else:  # first call, from __init__: a buffer follows the module's device, derived (not in the state dict)
@@ -236,21 +238,21 @@ def mrope_axis_of_freq(
     Returns:
         Long tensor ``[sum(mrope_section)]`` of axis indices.
     """
-    num_axes, num_freqs = len(mrope_section), sum(mrope_section)
-    axes = torch.arange(num_axes, device=device)
-    if not interleaved:
-        return axes.repeat_interleave(torch.tensor(list(mrope_section), device=device))
-    freq = torch.arange(num_freqs, device=device)
-    axis = freq % num_axes
-    limits = torch.tensor(list(mrope_section), device=device)[axis] * num_axes
-    axis = torch.where((axis > 0) & (freq < limits), axis, 0)
-    counts = torch.bincount(axis, minlength=num_axes).tolist()
-    if counts != list(mrope_section):
-        raise ValueError(
-            f"mrope_section ({list(mrope_section)}) cannot be interleaved over {num_freqs} frequencies: the "
-            f"layout gives the axes {counts}"
-        )
-    return axis
+    section, num_axes = list(mrope_section), len(mrope_section)
+    if interleaved:  # plain Python: checked here, and independent of any default (e.g. meta) device
+        axis = [
+            i % num_axes if i % num_axes > 0 and i < num_axes * section[i % num_axes] else 0
+            for i in range(sum(section))
+        ]
+        counts = [axis.count(a) for a in range(num_axes)]
+        if counts != section:
+            raise ValueError(
+                f"mrope_section ({section}) cannot be interleaved over {sum(section)} frequencies: the layout "
+                f"gives the axes {counts}"
+            )
+    else:
+        axis = [a for a, n in enumerate(section) for _ in range(n)]
+    return torch.tensor(axis, dtype=torch.long, device=device)
 
 
 def apply_rotary(x_BSHD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge_lightning.modules.layers.rope import ROPE_SCALING_KEYS, ROPE_TYPES
+from forge_lightning.modules.layers.rope import MROPE_KEYS, ROPE_SCALING_KEYS, ROPE_TYPES
 
 ARCHITECTURES: dict[str, str] = {
     "llama": "LlamaForCausalLM",
@@ -19,6 +19,9 @@ ARCHITECTURES: dict[str, str] = {
     "qwen2_moe": "Qwen2MoeForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "deepseek_v3": "DeepseekV3ForCausalLM",
+    # The language models of Qwen2.5-VL / Qwen3-VL (their `text_config`), with multimodal RoPE.
+    "qwen2_5_vl_text": "Qwen2_5_VLTextModel",
+    "qwen3_vl_text": "Qwen3VLTextModel",
 }
 """Supported Hugging Face ``model_type`` values and the ``architectures`` class each exports as."""
 
@@ -70,7 +73,24 @@ _ARCH_RULES: dict[str, dict[str, Any]] = {
         "moe.layer_step": 1,
         "moe.dense_layers": [],
     },
+    "qwen2_5_vl_text": {
+        "attention_bias": True,
+        "o_proj_bias": False,
+        "mlp_bias": False,
+        "qk_norm": False,
+        "mrope_interleaved": False,
+        **_DENSE,
+    },
+    "qwen3_vl_text": {
+        "o_proj_bias": _FOLLOWS_BIAS,
+        "mlp_bias": False,
+        "qk_norm": True,
+        "mrope_interleaved": True,
+        **_DENSE,
+    },
 }
+# transformers' M-RoPE split when a VL text config names none.
+_DEFAULT_MROPE_SECTION = {"qwen2_5_vl_text": [16, 24, 24], "qwen3_vl_text": [24, 20, 20]}
 _SCORE_FUNCS = ("softmax", "sigmoid")
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -241,7 +261,10 @@ class LLMConfig:
         rms_norm_eps: RMSNorm epsilon.
         rope_theta: RoPE base wavelength.
         rope_scaling: ``None`` for plain RoPE, or ``{"rope_type": "linear" | "llama3", ...}`` with the
-            Hugging Face parameters of that type (``type`` is accepted as an alias of ``rope_type``).
+            Hugging Face parameters of that type (``type`` is accepted as an alias of ``rope_type``). Multimodal
+            RoPE (Qwen2.5-VL / Qwen3-VL) adds ``mrope_section`` (frequencies per temporal / height / width axis,
+            summing to ``head_dim // 2``) and ``mrope_interleaved`` to any type (``mrope`` is an alias of
+            ``default``); the model then takes ``[3, B, S]`` position ids.
         attention_bias: bias on the q/k/v projections.
         o_proj_bias: bias on the attention output projection.
         mlp_bias: bias on the three MLP projections.
@@ -319,6 +342,7 @@ class LLMConfig:
         if self.torch_dtype is not None and self.torch_dtype not in _DTYPES:
             raise ValueError(f"torch_dtype ({self.torch_dtype!r}) must be one of {', '.join(_DTYPES)}")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
+        self._check_mrope()
         self._check_architecture()
 
     def _check_mla(self) -> None:
@@ -334,6 +358,17 @@ class LLMConfig:
             raise ValueError(
                 f"num_kv_heads ({self.num_kv_heads}) must equal num_heads ({self.num_heads}) with multi-head latent "
                 "attention (keys and values are expanded per head)"
+            )
+
+    def _check_mrope(self) -> None:
+        if self.mrope_section is None:
+            return
+        if self.mla is not None:
+            raise ValueError("rope_scaling mrope_section (multimodal RoPE) cannot be combined with mla")
+        if sum(self.mrope_section) != self.rope_head_dim // 2:
+            raise ValueError(
+                f"rope_scaling mrope_section ({self.mrope_section}) must sum to head_dim // 2 "
+                f"({self.rope_head_dim // 2})"
             )
 
     def _check_architecture(self) -> None:
@@ -362,6 +397,16 @@ class LLMConfig:
     def rope_head_dim(self) -> int:
         """Size of the rotary part of a query/key head (all of it, except with ``mla``)."""
         return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
+
+    @property
+    def mrope_section(self) -> list[int] | None:
+        """Rotary frequencies per position axis of multimodal RoPE; ``None`` for 1-D RoPE."""
+        return (self.rope_scaling or {}).get("mrope_section")
+
+    @property
+    def mrope_interleaved(self) -> bool:
+        """Multimodal RoPE in the interleaved layout (Qwen3-VL) rather than in chunks (Qwen2.5-VL)."""
+        return bool((self.rope_scaling or {}).get("mrope_interleaved", False))
 
     @property
     def v_head_dim(self) -> int:
@@ -479,7 +524,7 @@ class LLMConfig:
             raise ValueError(f"hidden_act ({hf['hidden_act']!r}) is not supported; only 'silu' (SwiGLU) is")
         _check_full_attention(hf, arch)
         rope_theta, rope_scaling = _rope_from_hf(hf)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2_5_vl_text"):
             attention_bias = True
         elif arch == "qwen2_moe":  # configs written before transformers 5 have no qkv_bias: always biased
             attention_bias = bool(hf.get("qkv_bias", True))
@@ -494,15 +539,18 @@ class LLMConfig:
             num_heads=hf["num_attention_heads"],
             # MLA's head sizes come from `mla` (transformers' DeepSeek `head_dim` is the rotary size).
             num_kv_heads=None if mla else hf.get("num_key_value_heads"),
-            head_dim=None if mla else hf.get("head_dim", 128 if arch == "qwen3" else None),
+            # Qwen2.5-VL's attention derives head_dim from hidden_size whatever the config says.
+            head_dim=None
+            if mla or arch == "qwen2_5_vl_text"
+            else hf.get("head_dim", _DEFAULT_HEAD_DIM.get(arch)),
             max_position_embeddings=hf["max_position_embeddings"],
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
             attention_bias=attention_bias,
-            o_proj_bias=attention_bias if arch in ("llama", "qwen3", "qwen3_moe", "deepseek_v3") else False,
+            o_proj_bias=attention_bias if arch in _O_PROJ_FOLLOWS_BIAS else False,
             mlp_bias=bool(hf.get("mlp_bias", False)) if arch == "llama" else False,
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_vl_text"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             initializer_range=hf.get("initializer_range", 0.02),
             bos_token_id=hf.get("bos_token_id"),
@@ -548,11 +596,11 @@ class LLMConfig:
         }
         if self.torch_dtype is not None:
             hf["torch_dtype"] = hf["dtype"] = self.torch_dtype
-        if self.architecture in ("llama", "qwen3", "qwen3_moe", "deepseek_v3"):
+        if self.architecture in _O_PROJ_FOLLOWS_BIAS:
             hf["attention_bias"] = self.attention_bias
         if self.architecture == "llama":
             hf["mlp_bias"] = self.mlp_bias
-        if self.architecture in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe"):
+        if self.architecture in ("qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl_text"):
             hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
         if self.architecture == "mistral":
             hf["sliding_window"] = None
@@ -562,6 +610,9 @@ class LLMConfig:
             hf.update(_mla_to_hf(self))
         return hf
 
+
+_O_PROJ_FOLLOWS_BIAS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_vl_text")
+_DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_vl_text": 128}  # transformers' config defaults
 
 _HF_REQUIRED = (
     "vocab_size",
@@ -720,14 +771,17 @@ def _normalise_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any]
     if scaling is None:
         return None
     params = dict(scaling)
+    mrope = _normalise_mrope({k: params.pop(k) for k in MROPE_KEYS if k in params})
     rope_type = params.pop("rope_type", None) or params.pop("type", "default")
     params.pop("type", None)
+    if rope_type == "mrope":  # Qwen2-VL's legacy name of default frequencies with mrope_section
+        rope_type = "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(
             f"rope_type ({rope_type!r}) is not supported; supported rope types: {', '.join(ROPE_TYPES)}"
         )
     if rope_type == "default":
-        return None
+        return {"rope_type": rope_type, **mrope} if mrope else None
     expected = ROPE_SCALING_KEYS[rope_type]
     if set(params) != expected:
         raise ValueError(
@@ -740,7 +794,28 @@ def _normalise_rope_scaling(scaling: Mapping[str, Any] | None) -> dict[str, Any]
             f"rope_scaling high_freq_factor ({params['high_freq_factor']}) must exceed "
             f"low_freq_factor ({params['low_freq_factor']})"
         )
-    return {"rope_type": rope_type, **params}
+    return {"rope_type": rope_type, **params, **mrope}
+
+
+def _normalise_mrope(mrope: dict[str, Any]) -> dict[str, Any]:
+    """``{"mrope_section": [...]}`` plus ``"mrope_interleaved": True`` when set (empty without a section)."""
+    if not mrope:
+        return {}
+    if "mrope_section" not in mrope:
+        raise ValueError(
+            f"rope_scaling mrope_interleaved ({mrope['mrope_interleaved']}) needs an mrope_section"
+        )
+    section = mrope["mrope_section"]
+    if (
+        not isinstance(section, Sequence)
+        or not section
+        or any(not isinstance(n, int) or isinstance(n, bool) or n <= 0 for n in section)
+    ):
+        raise ValueError(f"rope_scaling mrope_section ({section!r}) must be a list of positive integers")
+    interleaved = mrope.get("mrope_interleaved", False)
+    if not isinstance(interleaved, bool):
+        raise ValueError(f"rope_scaling mrope_interleaved ({interleaved!r}) must be a boolean")
+    return {"mrope_section": list(section), **({"mrope_interleaved": True} if interleaved else {})}
 
 
 def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
@@ -757,14 +832,18 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type == "llama3":
         params.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
-    return theta, (params if rope_type != "default" else None)
+    if hf.get("model_type") in _DEFAULT_MROPE_SECTION:
+        params.setdefault("mrope_section", _DEFAULT_MROPE_SECTION[hf["model_type"]])
+    if hf.get("model_type") == "qwen3_vl_text":  # transformers' Qwen3-VL interleaves whatever the key says
+        params.setdefault("mrope_interleaved", True)
+    return theta, (params if rope_type != "default" or MROPE_KEYS & set(params) else None)
 
 
 def _check_full_attention(hf: Mapping[str, Any], arch: str) -> None:
     """Refuse a config whose attention needs a sliding window shorter than the supported context."""
     window, max_pos = hf.get("sliding_window"), hf["max_position_embeddings"]
     if (
-        arch not in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe")
+        arch not in ("mistral", "qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "qwen2_5_vl_text")
         or window is None
         or window >= max_pos
     ):

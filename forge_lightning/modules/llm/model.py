@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from forge_lightning.modules.layers import (
+    MROPE_KEYS,
     Attention,
     DocumentMask,
     GatedMLP,
@@ -31,6 +32,7 @@ from forge_lightning.modules.layers import (
     LatentKVCache,
     MoEBlock,
     MultiLatentAttention,
+    MultimodalRotaryEmbedding,
     RMSNorm,
     RotaryEmbedding,
     RouterLosses,
@@ -86,6 +88,20 @@ def build_attention(config: LLMConfig) -> nn.Module:
         qk_norm=config.qk_norm,
         norm_eps=config.rms_norm_eps,
         init_std=config.initializer_range,
+    )
+
+
+def build_rotary(config: LLMConfig) -> RotaryEmbedding:
+    """The model's rotary embedding: :class:`MultimodalRotaryEmbedding` when the config has ``mrope_section``."""
+    if config.mrope_section is None:
+        return RotaryEmbedding(config.rope_head_dim, config.rope_theta, config.rope_scaling)
+    frequencies = {k: v for k, v in config.rope_scaling.items() if k not in MROPE_KEYS}
+    return MultimodalRotaryEmbedding(
+        config.rope_head_dim,
+        config.mrope_section,
+        config.rope_theta,
+        frequencies if frequencies["rope_type"] != "default" else None,
+        interleaved=config.mrope_interleaved,
     )
 
 
@@ -200,7 +216,7 @@ class DecoderModel(nn.Module):
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.rope_head_dim, config.rope_theta, config.rope_scaling)
+        self.rotary_emb = build_rotary(config)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.embed_tokens.weight, mean=0.0, std=self.init_std)
@@ -215,6 +231,16 @@ class DecoderModel(nn.Module):
         document_ids: Tensor | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[B, S, hidden]``; see :meth:`DecoderLM.forward` for the arguments."""
+        if (
+            position_ids is not None
+            and position_ids.ndim == 3
+            and not isinstance(self.rotary_emb, MultimodalRotaryEmbedding)
+        ):
+            raise ValueError(
+                f"position_ids of shape {list(position_ids.shape)} are multimodal RoPE positions [3, B, S], but "
+                "the config has no rope_scaling mrope_section: pass [B, S] positions, or a config with one "
+                "(Qwen2.5-VL / Qwen3-VL text models)"
+            )
         documents = None
         if document_ids is not None:
             if kv_cache is not None or attention_mask is not None:
@@ -346,6 +372,8 @@ class DecoderLM(nn.Module):
         Args:
             input_ids: token ids ``[B, S]``.
             position_ids: positions ``[B, S]`` (or ``[1, S]``); default ``0..S-1`` after the cached positions.
+                With multimodal RoPE (``config.mrope_section``) also ``[3, B, S]`` temporal / height / width
+                positions (see ``forge_lightning.modules.vlm.positions``).
             kv_cache: one :class:`KVCache` per layer (see :meth:`init_kv_cache`); the new keys/values are
                 appended and attention covers every cached position (causal within the new tokens).
             attention_mask: optional boolean (True = attend) or additive mask broadcastable to
