@@ -28,6 +28,7 @@ import shutil
 import tempfile
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -196,6 +197,26 @@ def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM
         for k, v in load_hf_state_dict(path).items()
         if not k.endswith("rotary_emb.inv_freq") and _layer_index(k) not in mtp_layers
     }
+    return load_hf_weights(model, state, source=f"checkpoint {path}")
+
+
+def load_hf_weights(
+    model: DecoderLM, state: Mapping[str, Tensor], *, source: str = "state dict"
+) -> DecoderLM:
+    """Copy a Hugging Face-named state dict into ``model`` strictly (in place; also returned).
+
+    Per-expert tensors are fused (:func:`fuse_experts`); a tied ``lm_head.weight`` may be absent or equal to the
+    embedding.
+
+    Args:
+        model: the model to fill.
+        state: tensors named as the model's parameters (``model.*``, ``lm_head.weight``).
+        source: what ``state`` came from, for the error message.
+
+    Raises:
+        ValueError: tensors are missing, unexpected or of the wrong shape (all named), or a tied head differs
+            from the embedding.
+    """
     state = fuse_experts(state)
     if model.config.tie_word_embeddings and TIED_HEAD_KEY in state:
         head = state.pop(TIED_HEAD_KEY)
@@ -214,7 +235,7 @@ def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM
         if k in state and state[k].shape != v.shape
     ]
     if problems:
-        raise ValueError(f"checkpoint {path} does not fit the model:\n  " + "\n  ".join(problems))
+        raise ValueError(f"{source} does not fit the model:\n  " + "\n  ".join(problems))
     if model.config.tie_word_embeddings:
         state[TIED_HEAD_KEY] = state[EMBEDDING_KEY]
     model.load_state_dict(state, strict=True)
@@ -248,28 +269,67 @@ def save_pretrained(
     Returns:
         The output directory.
     """
-    out_dir = Path(out_dir)
+    refuse_existing(Path(out_dir), overwrite)  # before the tensors are copied to the host
+    tensors = export_tensors(model.state_dict() if state_dict is None else state_dict, config, dtype)
+    saved_dtype = next(iter(tensors.values())).dtype
+    hf_config = config.to_hf()
+    hf_config["torch_dtype"] = hf_config["dtype"] = str(saved_dtype).removeprefix("torch.")
+    files = {"config.json": hf_config, **generation_files(hf_config)}
+    return write_hf_checkpoint(out_dir, tensors, files, max_shard_size=max_shard_size, overwrite=overwrite)
+
+
+def refuse_existing(out_dir: Path, overwrite: bool) -> None:
+    """Raise ``FileExistsError`` if ``out_dir`` holds files and ``overwrite`` is not set."""
     if out_dir.exists() and any(out_dir.iterdir()) and not overwrite:
         raise FileExistsError(
             f"{out_dir} exists and is not empty: choose another output directory, or replace it (forge-convert: "
             "--overwrite; from Python: overwrite=True)"
         )
-    tensors = _export_tensors(model.state_dict() if state_dict is None else state_dict, config, dtype)
-    saved_dtype = next(iter(tensors.values())).dtype
-    hf_config = config.to_hf()
-    hf_config["torch_dtype"] = hf_config["dtype"] = str(saved_dtype).removeprefix("torch.")
+
+
+def generation_files(hf_config: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """``{"generation_config.json": ...}`` with the token ids set in an LLM ``config.json`` dict (empty if none)."""
+    generation = {
+        k: hf_config[k]
+        for k in ("bos_token_id", "eos_token_id", "pad_token_id")
+        if hf_config.get(k) is not None
+    }
+    return {"generation_config.json": generation} if generation else {}
+
+
+def write_hf_checkpoint(
+    out_dir: str | os.PathLike[str],
+    tensors: dict[str, Tensor],
+    json_files: Mapping[str, dict[str, Any]],
+    *,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+) -> Path:
+    """Write ``tensors`` (safetensors, sharded with an index past ``max_shard_size``), the ``json_files``
+    (``{"config.json": {...}, ...}``) and a manifest of hashes into ``out_dir``.
+
+    Everything is written to a temporary sibling directory that is renamed into place at the end, so an
+    interrupted export never leaves a half-written ``out_dir``.
+
+    Args:
+        out_dir: destination directory.
+        tensors: contiguous CPU tensors by Hugging Face name.
+        json_files: file name to content of each JSON file.
+        max_shard_size: largest shard, in bytes or as a string (``"5GB"``, ``"500MB"``, ``"2GiB"``).
+        overwrite: replace an existing non-empty ``out_dir`` (otherwise that is an error).
+
+    Returns:
+        The output directory.
+    """
+    out_dir = Path(out_dir)
+    refuse_existing(out_dir, overwrite)
+    max_bytes = _parse_size(max_shard_size)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", suffix=".tmp", dir=out_dir.parent))
     try:
-        _write_json(tmp / "config.json", hf_config)
-        generation = {
-            k: hf_config[k]
-            for k in ("bos_token_id", "eos_token_id", "pad_token_id")
-            if hf_config[k] is not None
-        }
-        if generation:
-            _write_json(tmp / "generation_config.json", generation)
-        _write_shards(tensors, tmp, _parse_size(max_shard_size))
+        for name, content in json_files.items():
+            _write_json(tmp / name, content)
+        _write_shards(tensors, tmp, max_bytes)
         write_directory_manifest(tmp)
         replace(tmp, out_dir)
     except BaseException:
@@ -278,9 +338,11 @@ def save_pretrained(
     return out_dir
 
 
-def _export_tensors(
+def export_tensors(
     state_dict: Mapping[str, Tensor], config: LLMConfig, dtype: torch.dtype | None
 ) -> dict[str, Tensor]:
+    """The tensors of a decoder state dict as Hugging Face files hold them: experts split, a tied head left out,
+    floating tensors cast to ``dtype`` (if given), contiguous on the CPU."""
     tensors = {}
     for name, tensor in split_experts(state_dict).items():
         if config.tie_word_embeddings and name == TIED_HEAD_KEY:

@@ -223,14 +223,18 @@ class DecoderModel(nn.Module):
 
     def forward(
         self,
-        input_ids: Tensor,
+        input_ids: Tensor | None,
         position_ids: Tensor | None = None,
         *,
         kv_cache: list[KVCache] | None = None,
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[B, S, hidden]``; see :meth:`DecoderLM.forward` for the arguments."""
+        if (input_ids is None) == (inputs_embeds is None):
+            raise ValueError("pass exactly one of input_ids [B, S] and inputs_embeds [B, S, hidden]")
+        x_BSD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         if (
             position_ids is not None
             and position_ids.ndim == 3
@@ -252,11 +256,8 @@ class DecoderModel(nn.Module):
                 position_ids = document_positions(document_ids)
         if position_ids is None:
             start = kv_cache[0].length if kv_cache is not None else 0
-            position_ids = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)[
-                None
-            ]  # [1, S]
+            position_ids = torch.arange(start, start + x_BSD.shape[1], device=x_BSD.device)[None]  # [1, S]
         rope = self.rotary_emb(position_ids)
-        x_BSD = self.embed_tokens(input_ids)
         for i, layer in enumerate(self.layers):
             cache = None if kv_cache is None else kv_cache[i]
             x_BSD = layer(x_BSD, rope, kv_cache=cache, mask=attention_mask, documents=documents)
@@ -339,12 +340,13 @@ class DecoderLM(nn.Module):
 
     def hidden_states(
         self,
-        input_ids: Tensor,
+        input_ids: Tensor | None,
         position_ids: Tensor | None = None,
         *,
         kv_cache: list[KVCache] | None = None,
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[B, S, hidden]`` (what a fused / chunked cross-entropy consumes).
 
@@ -356,21 +358,23 @@ class DecoderLM(nn.Module):
             kv_cache=kv_cache,
             attention_mask=attention_mask,
             document_ids=document_ids,
+            inputs_embeds=inputs_embeds,
         )
 
     def forward(
         self,
-        input_ids: Tensor,
+        input_ids: Tensor | None,
         position_ids: Tensor | None = None,
         *,
         kv_cache: list[KVCache] | None = None,
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
+        inputs_embeds: Tensor | None = None,
     ) -> Tensor:
-        """Logits ``[B, S, vocab]`` for token ids ``[B, S]``.
+        """Logits ``[B, S, vocab]`` for token ids ``[B, S]`` (or input embeddings ``[B, S, hidden]``).
 
         Args:
-            input_ids: token ids ``[B, S]``.
+            input_ids: token ids ``[B, S]``, or ``None`` with ``inputs_embeds``.
             position_ids: positions ``[B, S]`` (or ``[1, S]``); default ``0..S-1`` after the cached positions.
                 With multimodal RoPE (``config.mrope_section``) also ``[3, B, S]`` temporal / height / width
                 positions (see ``forge_lightning.modules.vlm.positions``).
@@ -381,6 +385,8 @@ class DecoderLM(nn.Module):
             document_ids: ``[B, S]`` document index of each token of packed rows (non-decreasing per row):
                 attention stays within each document; positions restart per document unless ``position_ids``
                 are given.
+            inputs_embeds: ``[B, S, hidden]`` input embeddings instead of ``input_ids`` (e.g. text embeddings with
+                image features in place of placeholder tokens); pass ``None`` as ``input_ids`` then.
         """
         hidden_BSD = self.hidden_states(
             input_ids,
@@ -388,6 +394,7 @@ class DecoderLM(nn.Module):
             kv_cache=kv_cache,
             attention_mask=attention_mask,
             document_ids=document_ids,
+            inputs_embeds=inputs_embeds,
         )
         return self.lm_head(hidden_BSD)
 
