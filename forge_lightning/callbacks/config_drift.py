@@ -26,6 +26,8 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from forge_lightning.contracts import ConfiguredModule
+
 COMPARED_SECTIONS = ("model", "data", "optimizer", "scheduler")
 NOT_COMPARED = frozenset(
     {"pretrained", "batch_size", "num_workers", "pin_memory", "persistent_workers", "prefetch_factor"}
@@ -138,7 +140,8 @@ class ConfigDriftCheck(Callback):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self._trainer = trainer
-        self.record = with_model_config(self.record, getattr(pl_module, "config", None))
+        if isinstance(pl_module, ConfiguredModule):
+            self.record = with_model_config(self.record, pl_module.config)
 
     @override
     def state_dict(self) -> dict[str, Any]:

@@ -31,6 +31,7 @@ from forge_lightning.contracts.megatron import (
     experts_apart,
 )
 from forge_lightning.contracts.module import (
+    ConfiguredModule,
     ExportableModule,
     GenerativeModule,
     MeasuredModule,
@@ -81,6 +82,7 @@ __all__ = [
     "PlannedModule",
     "SeparateWeights",
     "StateGatherer",
+    "ConfiguredModule",
     "SkippedStepAware",
     "StepLoss",
     "StrategyTraits",

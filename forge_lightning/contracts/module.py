@@ -66,6 +66,14 @@ class StepLoss(Protocol):
 
 
 @runtime_checkable
+class ConfiguredModule(Protocol):
+    """A module built from a model config dataclass it keeps as ``config`` (resolved: a preset or a ``config.json``
+    read into its fields), which the run's checkpoints record and a resume compares."""
+
+    config: Any
+
+
+@runtime_checkable
 class SkippedStepAware(Protocol):
     """A module that updates state of its own at the optimizer step (besides its weights), told when the coming step
     is left out, so that the update is left out with it (e.g. the MoE selection bias of auxiliary-loss-free

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from llm_parity import randomize_weights
+from tiny import TINY_QWEN2_5_VL_TEXT
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from forge_lightning.modules.vlm import VisionLanguageModel, VLMConfig, from_pretrained, save_pretrained
@@ -21,18 +22,7 @@ IMAGE, VIDEO, START, END = 250, 251, 252, 253
 PATCH = 4
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4
 
-TEXT = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    bos_token_id=1,
-    eos_token_id=2,
-    rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-)
+TEXT = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **TINY_QWEN2_5_VL_TEXT)
 VISION = dict(
     depth=2,
     fullatt_block_indexes=[1],
