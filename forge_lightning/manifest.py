@@ -15,7 +15,7 @@ says which bytes were written::
 A directory's manifest is written into its temporary directory before the rename into place, so the checkpoint and
 its manifest appear together. A file's manifest is replaced just before the file: a crash between the two leaves a
 manifest that does not match, and the checkpoint is refused rather than trusted. The hash is xxHash's XXH3 (128
-bits): it finds corruption, not tampering, at the speed of memory (17 GB/s on one core).
+bits): it finds corruption, not tampering, at about the speed of reading memory.
 """
 
 from __future__ import annotations

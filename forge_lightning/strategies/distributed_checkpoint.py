@@ -102,12 +102,13 @@ def _complete(
     is_global_zero: bool,
     writers: int,
 ) -> None:
-    """Once every rank's shards are in ``tmp``: ``meta.pt``, the manifest, then the rename into place. Collective."""
+    """Once every rank's shards are in ``tmp``: ``meta.pt``, the manifest, then the rename into place. Collective.
+
+    The manifest's collectives order the steps: rank 0 hashes ``meta.pt`` after writing it, and every rank leaves
+    only once rank 0 has written the manifest."""
     if is_global_zero:
         atomic_torch_save(meta, tmp / METADATA_FILE)
-    barrier()
     write_directory_manifest_collective(tmp, threads=writers)
-    barrier()
     if is_global_zero:
         replace(tmp, path)
     barrier()
