@@ -88,7 +88,8 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
     ends = {int(m[1]): float(m[2]) for m in re.finditer(r"STEP (\d+) ([\d.]+)", log)}
     row: dict = {"mode": mode, "returncode": proc.returncode}
     if proc.returncode or sorted(ends) != list(range(1, args.steps + 1)):
-        return {**row, "error": harness.failed(log.strip().splitlines()[-1] if log.strip() else "no output")}
+        error = harness.failed(log.strip().splitlines()[-1] if log.strip() else "no output")
+        return {**row, "error": error, "log_tail": log[-8000:]}
     steps = {s: ends[s] - ends[s - 1] for s in range(2, args.steps + 1)}
     save_step = args.save_at + 1  # the save runs after step save_at ends, so it lands in the next interval
     plain = [t for s, t in steps.items() if s != save_step and s > 3]

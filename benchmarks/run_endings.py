@@ -197,7 +197,8 @@ def measure(args: argparse.Namespace, run: str) -> dict:
     throughput = re.findall(r"tokens_per_sec=([\d.e+]+)", log)
     row: dict = {"run": run, "returncode": proc.returncode, "hung": hung}
     if "last_step" not in clocks or (proc.returncode and not hung):
-        return {**row, "error": harness.failed(log.strip().splitlines()[-1] if log.strip() else "no output")}
+        error = harness.failed(log.strip().splitlines()[-1] if log.strip() else "no output")
+        return {**row, "error": error, "log_tail": log[-8000:]}
     if hung:
         row["stack"] = log[-6000:]
     row["stages_s"] = {

@@ -128,15 +128,6 @@ def test_average_follows_the_strategys_trained_parameters_not_the_modules():
     }  # per-parameter state, strategy names
 
 
-def test_megatron_refuses_trained_parameters_with_lazy_parameter_gather():
-    from forge_lightning.strategies.megatron import MegatronStrategy
-
-    strategy = MegatronStrategy(use_distributed_optimizer=True, overlap_param_gather=True)
-    message = r"overlap_param_gather=True\) gathers .* \(EMA\) cannot run: set overlap_param_gather: false"
-    with pytest.raises(ValueError, match=message):
-        strategy.trained_parameters()
-
-
 def test_bad_options_are_refused():
     with pytest.raises(ValueError, match=r"EMA decay \(1.5\) must be in \(0, 1\)"):
         EMA(decay=1.5)

@@ -35,7 +35,12 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
-from forge_lightning.contracts import ParameterResync, TrainedParameters, trained_parameters
+from forge_lightning.contracts import (
+    ParameterResync,
+    TrainedParameters,
+    complete_parameter_gather,
+    trained_parameters,
+)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -134,6 +139,7 @@ class EMA(Callback):
         if step == self._last_step or not self.average:
             return  # no optimizer step in this batch (gradient accumulation)
         self._last_step = step
+        complete_parameter_gather(trainer.strategy)  # weights gathered lazily are stale between steps
         with torch.no_grad():
             average = [_local(a) for a in self.average]
             weights = [_local(p).float() for p in self._params]  # a copy only for low-precision weights
@@ -155,6 +161,7 @@ class EMA(Callback):
         swapped in or before the average exists)."""
         if not self.average or self._backup is not None:
             return False
+        complete_parameter_gather(trainer.strategy)
         self._backup = [_local(p).clone() for p in self._params]
         self._write(trainer, pl_module, self.average)
         return True

@@ -157,6 +157,24 @@ def trained_parameters(strategy: Any, module: nn.Module) -> list[tuple[str, Tens
 
 
 @runtime_checkable
+class LazyParameterGather(Protocol):
+    """A strategy that may defer gathering the updated parameters into the next forward (``MegatronStrategy`` with
+    ``overlap_param_gather``: between steps each data-parallel rank holds the new weights only in its own slice of
+    every parameter). Code that reads or writes the trained weights between steps completes the gather first."""
+
+    def complete_parameter_gather(self) -> None:
+        """Finish (or run) the pending all-gather, so that every rank's parameters hold the newest weights.
+        Collective over the data-parallel group; a no-op when nothing is deferred."""
+        ...
+
+
+def complete_parameter_gather(strategy: Any) -> None:
+    """:meth:`LazyParameterGather.complete_parameter_gather` where ``strategy`` defers it; else nothing."""
+    if isinstance(strategy, LazyParameterGather):
+        strategy.complete_parameter_gather()
+
+
+@runtime_checkable
 class ParameterResync(Protocol):
     """A strategy that caches something derived from the parameters (FSDP2's delta-FP8 all-gather keeps the last
     reconstruction): code that writes parameters outside the optimizer tells it."""

@@ -9,6 +9,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from fit_plan import PlanRuns, fit_step
 
 HERE = Path(__file__).resolve().parent
@@ -123,6 +124,21 @@ PACKED_LAYOUTS = {
 }
 
 
+# The callbacks that read or write the trained weights between steps (EMA's average, its evaluation swap, the
+# export), under the distributed optimizer with the updated weights gathered after each step or lazily, in the
+# next forward (overlap_param_gather): the runs must be the same to the bit.
+DISTRIBUTED_OPTIMIZER_CALLBACKS = (
+    *("--trainer.strategy.use_distributed_optimizer", "true"),
+    *("--trainer.strategy.overlap_grad_reduce", "true"),
+    "--trainer.callbacks+={class_path: forge_lightning.callbacks.ema.EMA, init_args: {decay: 0.5}}",
+    "--trainer.callbacks+=forge_lightning.callbacks.HFExport",
+)
+PARAMETER_GATHER = {
+    "dp2_gather_after_step": (),
+    "dp2_gather_in_forward": ("--trainer.strategy.overlap_param_gather", "true"),
+}
+
+
 def fit_plan(tiny_corpus: dict[str, Path], root: Path) -> list[dict]:
     """Every run of this module (for conftest's ``fit_runs``), its inputs under ``root``: the 1-process references,
     then the 2-process layouts."""
@@ -169,6 +185,10 @@ def fit_plan(tiny_corpus: dict[str, Path], root: Path) -> list[dict]:
             *no_val,
         ),
         _fit(tiny_corpus, "pretrained_tp2", *tp2, *pretrained, batch=4),
+        *(
+            _fit(tiny_corpus, name, *strategy, *DISTRIBUTED_OPTIMIZER_CALLBACKS, *overlap)
+            for name, overlap in PARAMETER_GATHER.items()
+        ),
         *(
             _fit(tiny_corpus, name, *packed, *strategy, *layout, batch=batch)
             for name, (layout, batch) in PACKED_LAYOUTS.items()
@@ -239,6 +259,24 @@ def test_fused_adam_matches_one_process(fit_runs):
     """Data parallel at TP = 1 (the fused linear + cross-entropy loss) with torch's fused AdamW kernel, which the
     ``performance.optimizer`` setting picks (``auto``: fused on CUDA)."""
     _assert_same_losses(fit_runs.rows("dp2_fused_adam"), _reference(fit_runs))
+
+
+def test_weights_gathered_in_the_next_forward_are_complete_for_callbacks(fit_runs):
+    """With ``overlap_param_gather`` each rank holds only its slice of the updated weights until the next forward
+    gathers the rest; EMA (average, evaluation swap) and the export complete the gather first, so the losses, the
+    validations on the average and the exported weights equal those of the gather after each step."""
+    from safetensors.torch import load_file
+
+    after, lazily = (fit_runs.rows(name) for name in PARAMETER_GATHER)
+    for key in ("train/loss", "val/loss"):
+        assert _column(after, key) and _column(lazily, key) == _column(after, key), key
+    exports = [
+        load_file(fit_runs.root / "runs" / "tests" / name / "version_0" / "hf" / "model.safetensors")
+        for name in PARAMETER_GATHER
+    ]
+    assert exports[0].keys() == exports[1].keys()
+    for name, tensor in exports[0].items():
+        assert torch.equal(exports[1][name], tensor), name
 
 
 def test_pretrained_weights_read_per_rank_match_one_process(fit_runs):

@@ -64,6 +64,11 @@ def build_megatron_optimizer(
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
+    if use_distributed_optimizer and config.name == "sgd":
+        raise ValueError(
+            "megatron-core's distributed optimizer steps Adam / AdamW only (its sharded state is Adam's): set "
+            "optimizer.name to adamw or adam, or MegatronStrategy(use_distributed_optimizer=false) for SGD"
+        )
     megatron_config = MegatronOptimizerConfig(
         optimizer="sgd" if config.name == "sgd" else "adam",
         lr=config.lr,

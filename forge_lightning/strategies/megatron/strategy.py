@@ -542,6 +542,7 @@ class MegatronStrategy(ParallelStrategy):
         ``model.model.embed_tokens.weight``; a composed model's encoder side as it is), or with ``module`` a
         submodule's, relative to it (as the native strategies' ``full_model_state_dict``).
         """
+        self.complete_parameter_gather()
         return self._components.full_state_dict(self._twin.state_dict(self._chunks), module)
 
     # ----- checkpoints (see checkpoint.py) ----------------------------------------------------------------------
@@ -589,6 +590,7 @@ class MegatronStrategy(ParallelStrategy):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes its own checkpoints and takes no storage_options")
         path = self.broadcast(str(filepath))
+        self.complete_parameter_gather()  # the model weights are saved as well as the optimizer's fp32 copies
         with_optimizer = "optimizer_states" in checkpoint  # absent in ModelCheckpoint(save_weights_only=True)
         optimizer = self.optimizers[0] if with_optimizer and self.optimizers else None
         checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
@@ -689,25 +691,29 @@ class MegatronStrategy(ParallelStrategy):
         in fp32 runs under the distributed optimizer the parameters are the main copies' storage, so a writer
         restores what it wrote over.
 
+        With ``overlap_param_gather`` the all-gather that the next forward would wait on is completed first
+        (collective over the data-parallel group: every rank calls it), so they hold the newest weights; a reader
+        between later steps calls :meth:`complete_parameter_gather` again.
+
         Raises:
             RuntimeError: before setup.
-            ValueError: with ``overlap_param_gather``, under which the parameters are gathered lazily.
         """
-        if self.dims.overlap_param_gather:
-            # The all-gather after a step is deferred into the next forward's pre-hooks: between steps a rank holds
-            # the new weights only in its own data-parallel slice of each parameter, the old ones elsewhere.
-            raise ValueError(
-                f"{type(self).__name__}(overlap_param_gather=True) gathers the updated parameters during the next "
-                "forward, so between steps they are not the trained weights and callbacks that read or write them "
-                "(EMA) cannot run: set overlap_param_gather: false (the distributed optimizer then gathers right "
-                "after each step), or leave the callback out"
-            )
         if not self._chunks:
             raise RuntimeError(
                 f"{type(self).__name__}.trained_parameters is only known once setup has built the twin's chunks "
                 "(from on_fit_start on)"
             )
+        self.complete_parameter_gather()
         return callback_state.trained_parameters(self._chunks, self._components.encoder_modules())
+
+    def complete_parameter_gather(self) -> None:
+        """With ``overlap_param_gather``, finish the deferred all-gather of the updated parameters (each
+        data-parallel rank updated only its slice of each; the next forward would gather the rest), so every rank's
+        parameters hold the weights of the last optimizer step (:class:`~forge_lightning.contracts.LazyParameterGather`;
+        collective over the data-parallel group). The next forward then finds the gather done and skips it."""
+        if self.dims.overlap_param_gather:
+            for chunk in self._chunks:
+                chunk.start_param_sync(force_sync=True)
 
     @contextmanager
     def module_weights(self) -> Iterator[None]:
