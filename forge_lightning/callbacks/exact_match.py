@@ -23,7 +23,8 @@ class GenerationMetric(Callback):
     Runs at the end of every validation (the sanity check included, which gives the value before training) and
     test. The datamodule provides ``generation_references("val")`` (prompt token ids + reference text),
     ``stop_token_ids`` and ``decode`` (as ``SFTDataModule`` does); the module provides ``generate`` (greedy with a
-    KV cache). Answers and references are compared after stripping surrounding whitespace. Prompts are split
+    KV cache). A reference with ``inputs`` of its own (a vision-language prompt's images) is decoded alone, its
+    inputs passed to ``generate``. Answers and references are compared after stripping surrounding whitespace. Prompts are split
     across data-parallel ranks and the counts summed; the ranks decode in lockstep (see
     :mod:`forge_lightning.callbacks.generation`), a rank with fewer batches decoding stand-in prompts, with the
     trained weights in the module (``module_weights``: under ``MegatronStrategy`` the twin's, copied in).
@@ -66,13 +67,17 @@ class GenerationMetric(Callback):
         world, rank = data_parallel(trainer.strategy)
         references = references[rank::world]
         by_length: dict[int, list[Any]] = defaultdict(list)
+        alone = []  # prompts with inputs of their own (images) are decoded one at a time
         for reference in references:
-            by_length[len(reference.prompt_ids)].append(reference)
+            if getattr(reference, "inputs", None):
+                alone.append([reference])
+            else:
+                by_length[len(reference.prompt_ids)].append(reference)
         chunks = [
             group[start : start + self.batch_size]
             for group in by_length.values()
             for start in range(0, len(group), self.batch_size)
-        ]
+        ] + alone
         stop = datamodule.stop_token_ids
         together = lockstep(trainer)
         generate = functools.partial(
@@ -95,7 +100,8 @@ class GenerationMetric(Callback):
                     generate(torch.zeros((1, 1), dtype=torch.long, device=device))
                     continue
                 prompts = torch.tensor([r.prompt_ids for r in chunks[i]], device=device)
-                out = generate(prompts)
+                inputs = getattr(chunks[i][0], "inputs", None) or {}
+                out = generate(prompts, **{k: v.to(device) for k, v in inputs.items()})
                 for reference, row in zip(chunks[i], out[:, prompts.shape[1] :].tolist()):
                     answer = datamodule.decode(_until_stop(row, stop))
                     correct += answer.strip() == reference.reference.strip()

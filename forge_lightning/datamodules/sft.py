@@ -42,11 +42,16 @@ class SFTStats:
 
 @dataclass
 class GenerationReference:
-    """A prompt to answer and the reference answer, for generation metrics such as exact match."""
+    """A prompt to answer and the reference answer, for generation metrics such as exact match.
+
+    ``inputs``: the prompt's other model inputs for one sample (a vision-language prompt's ``pixel_values`` and
+    ``image_grid_thw``), passed to the module's ``generate`` with the prompt; ``None`` for text.
+    """
 
     prompt_ids: list[int]
     reference: str
     source: str = ""
+    inputs: dict[str, torch.Tensor] | None = None
 
 
 class SFTDataset(Dataset):

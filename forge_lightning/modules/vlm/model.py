@@ -74,7 +74,30 @@ class VisionLanguageModel(nn.Module):
         video_grid_thw: Tensor | None = None,
         second_per_grid_ts: Tensor | Sequence[float] | None = None,
     ) -> Tensor:
-        """Logits ``[B, S, vocab]``; the arguments are those transformers' processor gives.
+        """Logits ``[B, S, vocab]``; the arguments are those transformers' processor gives (see
+        :meth:`hidden_states`)."""
+        hidden_BSD = self.hidden_states(
+            input_ids,
+            attention_mask,
+            pixel_values,
+            image_grid_thw,
+            pixel_values_videos,
+            video_grid_thw,
+            second_per_grid_ts,
+        )
+        return self.llm.lm_head(hidden_BSD)
+
+    def hidden_states(
+        self,
+        input_ids: Tensor,
+        attention_mask: Tensor | None = None,
+        pixel_values: Tensor | None = None,
+        image_grid_thw: Tensor | None = None,
+        pixel_values_videos: Tensor | None = None,
+        video_grid_thw: Tensor | None = None,
+        second_per_grid_ts: Tensor | Sequence[float] | None = None,
+    ) -> Tensor:
+        """The LLM's final hidden states ``[B, S, hidden]`` (after its last norm; the loss applies ``lm_head``).
 
         Args:
             input_ids: ``[B, S]`` tokens, one ``<|image_pad|>`` / ``<|video_pad|>`` per merged patch.
@@ -99,7 +122,7 @@ class VisionLanguageModel(nn.Module):
             input_ids, attention_mask, image_grid_thw, video_grid_thw, second_per_grid_ts
         )
         mask_B11S = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
-        return self.llm(None, position_ids_3BS, inputs_embeds=x_BSD, attention_mask=mask_B11S)
+        return self.llm.hidden_states(None, position_ids_3BS, inputs_embeds=x_BSD, attention_mask=mask_B11S)
 
     def _insert(
         self, x_BSD: Tensor, slots_BS: Tensor, pixels: Tensor | None, grid_thw: Tensor | None, kind: str
