@@ -14,6 +14,7 @@ from forge_lightning.modules.llm import CausalLM, DecoderLM, LLMConfig
 from forge_lightning.performance import (
     PerformanceConfig,
     apply_activation_checkpointing,
+    apply_compile,
     apply_fp8,
     apply_kernels,
     resolve,
@@ -134,6 +135,43 @@ def test_activation_checkpointing_recomputes_what_its_mode_says_and_keeps_gradie
         assert torch.equal(counts[mode][1], base_loss)
         for name, grad in base_grads.items():
             torch.testing.assert_close(counts[mode][2][name], grad, rtol=0, atol=0, msg=f"{mode} {name}")
+
+
+def test_a_component_overrides_the_runs_checkpointing_and_compile_for_its_blocks():
+    """Two components of one model (each decoder's layers): the first keeps the run's settings, the second says
+    its own; only its blocks are recomputed (full: its matmuls again in backward) and only the first's compiled."""
+    tokens = torch.randint(0, TINY_LLM["vocab_size"], (2, 9))
+    base_count, base_loss, base_grads = _backward_matmuls(_model(), tokens)
+    model = _model()
+    layers = list(model.model.layers)
+    plan = ParallelPlan(
+        components=[
+            Component(name="first", module=layers[0], blocks=[layers[0]]),
+            Component(
+                name="second",
+                module=layers[1],
+                blocks=[layers[1]],
+                activation_checkpointing="full",
+                compile=False,
+            ),
+        ]
+    )
+    apply_activation_checkpointing(plan, "none")
+    assert not hasattr(layers[0].forward, "__wrapped__") and hasattr(layers[1].forward, "__wrapped__")
+    count, loss, grads = _backward_matmuls(model, tokens)
+    assert count == base_count + 6  # one block recomputed (6 of its 7 projections, see above)
+    assert torch.equal(loss, base_loss)
+    for name, grad in base_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=0, msg=name)
+    apply_compile(plan, enabled=True)
+    assert layers[0]._compiled_call_impl is not None and layers[1]._compiled_call_impl is None
+    bad = ParallelPlan(
+        components=[Component(name="vision", module=layers[0], activation_checkpointing="most")]
+    )
+    with pytest.raises(
+        ValueError, match=r"component 'vision': activation_checkpointing \('most'\) must be one of"
+    ):
+        apply_activation_checkpointing(bad, "none")
 
 
 def test_selective_save_ops_must_be_aten_names():

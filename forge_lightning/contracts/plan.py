@@ -31,6 +31,10 @@ class Component:
             field they come from (``{"num_heads": 32, "num_kv_heads": 8, "vocab_size": 128256}``); checked once, by
             :meth:`ParallelPlan.check_tensor_parallel`, before anything is sharded.
         frozen: whether the component's parameters are excluded from training.
+        activation_checkpointing: this component's blocks' mode (``none``, ``full``, ``selective``) in place of the
+            run's ``performance.activation_checkpointing``; ``None``: the run's.
+        compile: whether to ``torch.compile`` this component's blocks in place of the run's
+            ``performance.compile``; ``None``: the run's.
     """
 
     name: str
@@ -39,6 +43,8 @@ class Component:
     tp_plan: dict[str, str] = field(default_factory=dict)
     tp_dims: dict[str, int] = field(default_factory=dict)
     frozen: bool = False
+    activation_checkpointing: str | None = None
+    compile: bool | None = None
 
 
 @dataclass(kw_only=True)

@@ -27,7 +27,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
 from forge_lightning.contracts import ParallelPlan, TunedModule, traits_of
-from forge_lightning.performance.config import PerformanceConfig, resolve
+from forge_lightning.performance.config import AC_MODES, PerformanceConfig, resolve
 from forge_lightning.performance.switches import check_applied
 
 _APPLIED = "_forge_performance_applied"
@@ -266,22 +266,29 @@ def apply_activation_checkpointing(plan: ParallelPlan, mode: str, save_ops: tupl
     """Recompute each trainable block's activations in backward (the composable ``checkpoint`` API).
 
     Args:
-        plan: the module's parallel plan.
+        plan: the module's parallel plan; a component's own ``activation_checkpointing`` takes the place of
+            ``mode`` for its blocks.
         mode: ``none`` (no-op), ``full`` (recompute everything) or ``selective`` (keep the outputs of
             ``save_ops``, recompute the rest).
         save_ops: aten overload names, e.g. ``aten.mm.default`` (selective only).
     """
-    if mode == "none":
-        return
-    context_fn = _selective_context(save_ops) if mode == "selective" else None
-    count = 0
+    counts: dict[str, int] = {}
     for comp in plan:
-        if comp.frozen:
+        own = comp.activation_checkpointing or mode
+        if own not in AC_MODES:
+            raise ValueError(
+                f"component {comp.name!r}: activation_checkpointing ({own!r}) must be one of {', '.join(AC_MODES)}"
+            )
+        if comp.frozen or own == "none":
             continue
+        context_fn = _selective_context(save_ops) if own == "selective" else None
         for block in comp.blocks:
             _checkpoint_forward(block, context_fn)
-            count += 1
-    rank_zero_info(f"activation checkpointing ({mode}): {count} blocks")
+        counts[f"{comp.name} {own}"] = len(comp.blocks)
+    if counts:
+        rank_zero_info(
+            f"activation checkpointing: {', '.join(f'{k}: {n} blocks' for k, n in counts.items())}"
+        )
 
 
 def _checkpoint_forward(block: nn.Module, context_fn: Any | None) -> None:
@@ -331,14 +338,16 @@ def apply_compile(plan: ParallelPlan, *, enabled: bool) -> None:
     """``torch.compile`` each block in place (parameter names unchanged; one graph reused by all blocks).
 
     Args:
-        plan: the module's parallel plan.
-        enabled: apply it (a no-op when ``False``).
+        plan: the module's parallel plan; a component's own ``compile`` takes the place of ``enabled`` for its
+            blocks.
+        enabled: compile the blocks of the components that do not say otherwise.
     """
-    if not enabled:
-        return
     count = 0
     for comp in plan:
+        if not (enabled if comp.compile is None else comp.compile):
+            continue
         for block in comp.blocks:
             block.compile()
             count += 1
-    rank_zero_info(f"torch.compile: {count} blocks")
+    if count:
+        rank_zero_info(f"torch.compile: {count} blocks")
