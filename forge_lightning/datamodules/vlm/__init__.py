@@ -1,4 +1,5 @@
-"""Vision-language data: Qwen2-VL / Qwen2.5-VL image and video inputs.
+"""Vision-language data: image + text conversations (LLaVA, ShareGPT with images, OpenAI content parts), their
+encoding with vision tokens, Qwen2-VL / Qwen2.5-VL and fixed-resolution image inputs, and the datamodule.
 
 Public names are imported lazily, as in the other data packages.
 """
@@ -9,18 +10,63 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "BadSampleError": "scan",
+    "FixedResolutionVisionInputs": "vision_inputs",
+    "ImageSource": "records",
+    "PROCESSORS": "vision_inputs",
     "Qwen2VLImageProcessor": "image_processor",
+    "Qwen2VLVisionInputs": "vision_inputs",
+    "ScanReport": "scan",
+    "VLMDataModule": "datamodule",
+    "VLMDataset": "dataset",
+    "VLMEncoder": "encoding",
+    "VLMRecord": "records",
+    "VLMSample": "scan",
+    "VisionInputs": "vision_inputs",
     "num_merged_tokens": "image_processor",
+    "parse_vlm_record": "records",
+    "scan_files": "scan",
     "smart_resize": "image_processor",
+    "vlm_collate": "dataset",
 }
 
-__all__ = ["Qwen2VLImageProcessor", "num_merged_tokens", "smart_resize"]
+__all__ = [
+    "BadSampleError",
+    "FixedResolutionVisionInputs",
+    "ImageSource",
+    "PROCESSORS",
+    "Qwen2VLImageProcessor",
+    "Qwen2VLVisionInputs",
+    "ScanReport",
+    "VLMDataModule",
+    "VLMDataset",
+    "VLMEncoder",
+    "VLMRecord",
+    "VLMSample",
+    "VisionInputs",
+    "num_merged_tokens",
+    "parse_vlm_record",
+    "scan_files",
+    "smart_resize",
+    "vlm_collate",
+]
 
 if TYPE_CHECKING:
+    from forge_lightning.datamodules.vlm.datamodule import VLMDataModule
+    from forge_lightning.datamodules.vlm.dataset import VLMDataset, vlm_collate
+    from forge_lightning.datamodules.vlm.encoding import VLMEncoder
     from forge_lightning.datamodules.vlm.image_processor import (
         Qwen2VLImageProcessor,
         num_merged_tokens,
         smart_resize,
+    )
+    from forge_lightning.datamodules.vlm.records import ImageSource, VLMRecord, parse_vlm_record
+    from forge_lightning.datamodules.vlm.scan import BadSampleError, ScanReport, VLMSample, scan_files
+    from forge_lightning.datamodules.vlm.vision_inputs import (
+        PROCESSORS,
+        FixedResolutionVisionInputs,
+        Qwen2VLVisionInputs,
+        VisionInputs,
     )
 
 

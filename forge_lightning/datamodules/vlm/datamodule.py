@@ -1,0 +1,188 @@
+"""Supervised fine-tuning data of vision-language models: image + text conversations, loss-masked, in padded
+batches of the inputs ``VisionLanguageModel`` takes."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+
+from lightning.pytorch.utilities import rank_zero_info
+from typing_extensions import override
+
+from forge_lightning.datamodules.base import TokenDataModule
+from forge_lightning.datamodules.chat import ChatEncoder
+from forge_lightning.datamodules.sft import GenerationReference
+from forge_lightning.datamodules.vlm.dataset import VLMDataset, load_images, vlm_collate
+from forge_lightning.datamodules.vlm.encoding import VLMEncoder
+from forge_lightning.datamodules.vlm.scan import ON_BAD_SAMPLE, ScanReport, VLMSample, scan_files
+from forge_lightning.datamodules.vlm.vision_inputs import PROCESSORS, VisionInputs
+
+
+class VLMDataModule(TokenDataModule):
+    """Image + text chat fine-tuning data from ``.json`` / ``.jsonl`` files (LLaVA, ShareGPT with images, OpenAI
+    content parts; text-only records too), rendered with a chat template, images expanded to vision tokens.
+
+    ``setup`` scans every record first (image headers, ``<image>`` counts, lengths after expansion, assistant
+    turns); bad ones are skipped and counted in one summary line, or raised (``on_bad_sample="error"``). Batches are
+    right-padded: ``input_ids``, ``attention_mask``, ``labels`` (shifted next tokens, -100 where not trained, as in
+    SFT), plus ``pixel_values`` (and ``image_grid_thw`` for ``qwen2_vl``) when a sample of the batch has an image.
+
+    Args:
+        train_files: data file(s) of training records.
+        tokenizer: the model's Hugging Face tokenizer directory (it must have the processor's image tokens).
+        val_files: data file(s) of validation records (masked loss and generation references).
+        image_root: the directory relative image paths start from (default: each data file's directory).
+        template: ``None`` for the tokenizer's own chat template, a built-in name or a ``.jinja`` file.
+        train_on: ``assistant``, ``last_assistant`` or ``all``.
+        seq_length: most training positions of a sample after image expansion; longer samples are bad.
+        processor: ``qwen2_vl`` (dynamic resolution) or ``fixed`` (one square size, e.g. SigLIP).
+        min_pixels: ``qwen2_vl``: the least pixels of a resized image (default 3136).
+        max_pixels: ``qwen2_vl``: the most pixels of a resized image (default 1003520: 1280 tokens).
+        patch_size: side of a vision-encoder patch.
+        merge_size: ``qwen2_vl``: side of the square of patches merged into one token (default 2).
+        temporal_patch_size: ``qwen2_vl``: frames per temporal patch (default 2).
+        image_size: ``fixed``: side of the square images are resized to (default 384).
+        on_bad_sample: ``skip`` (count and leave out) or ``error`` (raise the first bad record).
+        verify_pixels: decode every image at setup too (slow; finds truncated JPEGs that ``verify()`` misses).
+        batch_size: micro-batch per data-parallel rank.
+        seed: seed of the per-epoch sample order.
+        num_workers: DataLoader workers per rank.
+        pin_memory: pin host memory (useful on CUDA).
+    """
+
+    def __init__(
+        self,
+        train_files: str | list[str],
+        tokenizer: str,
+        *,
+        val_files: str | list[str] | None = None,
+        image_root: str | None = None,
+        template: str | None = None,
+        train_on: str = "assistant",
+        seq_length: int = 2048,
+        processor: str = "qwen2_vl",
+        min_pixels: int | None = None,
+        max_pixels: int | None = None,
+        patch_size: int = 14,
+        merge_size: int | None = None,
+        temporal_patch_size: int | None = None,
+        image_size: int | None = None,
+        on_bad_sample: str = "skip",
+        verify_pixels: bool = False,
+        batch_size: int = 8,
+        seed: int = 1234,
+        num_workers: int = 2,
+        pin_memory: bool = True,
+    ) -> None:
+        super().__init__(
+            tokenizer, batch_size=batch_size, seed=seed, num_workers=num_workers, pin_memory=pin_memory
+        )
+        if processor not in PROCESSORS:
+            raise ValueError(f"processor ({processor!r}) must be one of {', '.join(PROCESSORS)}")
+        if on_bad_sample not in ON_BAD_SAMPLE:
+            raise ValueError(f"on_bad_sample ({on_bad_sample!r}) must be one of {', '.join(ON_BAD_SAMPLE)}")
+        if seq_length < 1:
+            raise ValueError(f"seq_length ({seq_length}) must be positive")
+        given = {
+            "min_pixels": min_pixels,
+            "max_pixels": max_pixels,
+            "patch_size": patch_size,
+            "merge_size": merge_size,
+            "temporal_patch_size": temporal_patch_size,
+            "image_size": image_size,
+        }
+        self.vision_options = {k: v for k, v in given.items() if v is not None}
+        allowed = PROCESSORS[processor].options
+        if wrong := [k for k in self.vision_options if k not in allowed]:
+            raise ValueError(
+                f"{', '.join(wrong)} do(es) not apply to processor {processor!r} (its options: "
+                f"{', '.join(allowed)}): remove it, or choose the processor it belongs to"
+            )
+        self.train_files = [train_files] if isinstance(train_files, str) else list(train_files)
+        self.val_files = [val_files] if isinstance(val_files, str) else list(val_files or [])
+        self.image_root = image_root
+        self.template = template
+        self.train_on = train_on
+        self.seq_length = seq_length
+        self.processor = processor
+        self.on_bad_sample = on_bad_sample
+        self.verify_pixels = verify_pixels
+        self.reports: dict[str, ScanReport] = {}
+        self._encoder: VLMEncoder | None = None
+        self._val_samples: list[VLMSample] = []
+
+    @property
+    def encoder(self) -> VLMEncoder:
+        """Renders, tokenizes and expands records (built on first use; checks the tokenizer's image tokens).
+
+        Raises:
+            ValueError: the tokenizer lacks a special token the processor needs.
+        """
+        if self._encoder is None:
+            backend = self.tokenizer.backend
+            vision = PROCESSORS[self.processor].from_tokenizer(backend, **self.vision_options)
+            self._encoder = VLMEncoder(ChatEncoder(backend, self.template, train_on=self.train_on), vision)
+        return self._encoder
+
+    @property
+    def vision(self) -> VisionInputs:
+        """The image tokens and pixel inputs of the chosen processor."""
+        return self.encoder.vision
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        """The tokenizer's ids of the image tokens, by config name (``image_token_id``, and for ``qwen2_vl``
+        ``vision_start_token_id`` / ``vision_end_token_id``): the model's config must agree."""
+        return self.vision.special_token_ids
+
+    @property
+    def pad_id(self) -> int:
+        """Token id used for padding (masked out by ``attention_mask``, never trained)."""
+        return self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0
+
+    def _load(self, files: list[str], split: str) -> tuple[VLMDataset, list[VLMSample]]:
+        samples, report = scan_files(
+            files,
+            self.encoder,
+            seq_length=self.seq_length,
+            image_root=self.image_root,
+            on_bad_sample=self.on_bad_sample,
+            verify_pixels=self.verify_pixels,
+        )
+        self.reports[split] = report
+        if not samples:
+            raise ValueError(f"no usable {split} sample: {report.describe()}")
+        rank_zero_info(report.describe())
+        return VLMDataset(samples, self.vision), samples
+
+    @override
+    def setup(self, stage: str) -> None:
+        self.encoder  # noqa: B018 -- checks the tokenizer's image tokens before any file is read
+        self.collate_fn = functools.partial(vlm_collate, pad_id=self.pad_id)
+        if stage == "fit" and self.train_dataset is None:
+            self.train_dataset, _ = self._load(self.train_files, "train")
+        if self.val_files and self.val_dataset is None:
+            self.val_dataset, self._val_samples = self._load(self.val_files, "val")
+
+    def generation_references(self, split: str = "val") -> list[GenerationReference]:
+        """Prompts (the conversation before its last assistant turn, image tokens expanded, with the pixel inputs
+        of the images it holds as ``inputs``) and that turn's text, for generation metrics such as exact match."""
+        if split != "val":
+            raise ValueError(f"generation references exist for split 'val' only, got {split!r}")
+        if not self._val_samples and self.val_files:
+            self.setup("validate")
+        references = []
+        for sample in self._val_samples:
+            prompt, answer, count = self.encoder.prompt_and_answer(sample.conversation, sample.sizes)
+            inputs = self.vision.process(load_images(sample, count)) if count else None
+            references.append(GenerationReference(prompt, answer, sample.source, inputs))
+        return references
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Token ids that end a generated answer."""
+        return self.encoder.chat.stop_token_ids()
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Text of token ids."""
+        return self.tokenizer.decode(ids)

@@ -1,0 +1,226 @@
+"""Vision-language records: image + text conversations in the formats users already have, read from ``.json`` (a
+list) or ``.jsonl`` files.
+
+Every format becomes a chat :class:`~forge_lightning.datamodules.chat.Conversation` whose text marks each image
+with :data:`IMAGE_PLACEHOLDER`, plus the record's images in placeholder order:
+
+* LLaVA: ``{"image": "a.jpg" | [...], "conversations": [{"from": "human", "value": "<image>\\n..."}, ...]}``;
+* ShareGPT with images: ``{"images": [...], "messages": [{"role": "user", "content": "<image>..."}, ...]}``;
+* OpenAI content parts: ``{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
+  {"type": "text", "text": "..."}]}, ...]}``, or ``{"type": "image_url", "image_url": {"url": ...}}`` parts; a
+  part without a reference (``{"type": "image"}``) takes the next image of a top-level ``images`` list.
+
+An image reference is a path (relative to the image root), a ``file://`` URL or a ``data:image/...;base64,`` URL.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+from PIL import Image, ImageOps
+
+from forge_lightning.datamodules.chat import ChatFormatError, Conversation, parse_record
+from forge_lightning.datamodules.vlm.image_processor import to_rgb
+
+IMAGE_PLACEHOLDER = "<image>"
+"""Where an image goes in a record's text."""
+
+SUFFIXES = (".json", ".jsonl")
+_IMAGE_PARTS = ("image", "image_url")
+# EXIF orientations that rotate by 90 or 270 degrees (transposing swaps width and height).
+_TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)
+
+
+@dataclass(frozen=True)
+class ImageSource:
+    """Where one image of a record is: a file or the bytes of a ``data:`` URL.
+
+    Args:
+        ref: the reference as the record writes it (shortened for ``data:`` URLs), for messages.
+        path: the resolved file, or ``None`` for inline bytes.
+        data: the decoded bytes of a ``data:`` URL, or ``None`` for a file.
+    """
+
+    ref: str
+    path: Path | None = None
+    data: bytes | None = None
+
+    def open(self) -> Image.Image:
+        """The image, lazily opened (Pillow reads the header only until pixels are asked for)."""
+        return Image.open(self.path if self.path is not None else io.BytesIO(self.data or b""))
+
+    def size(self) -> tuple[int, int]:
+        """``(width, height)`` after the EXIF orientation, from the header; ``verify()`` checks the file too.
+
+        Raises:
+            FileNotFoundError: the file does not exist.
+            Exception: whatever Pillow raises for an unreadable or corrupt image.
+        """
+        if self.path is not None and not self.path.is_file():
+            raise FileNotFoundError(f"{self.ref} not found at {self.path}")
+        with self.open() as image:
+            image.verify()  # must come right after open; the image is unusable after it
+        with self.open() as image:
+            width, height = image.size
+            transposed = image.getexif().get(0x0112) in _TRANSPOSED_ORIENTATIONS
+        return (height, width) if transposed else (width, height)
+
+    def load(self) -> Image.Image:
+        """The decoded image in RGB, turned upright by its EXIF orientation (as transformers' ``load_image``)."""
+        with self.open() as image:
+            return to_rgb(ImageOps.exif_transpose(image))
+
+
+@dataclass
+class VLMRecord:
+    """A conversation whose text marks images with :data:`IMAGE_PLACEHOLDER`, and the references of its images.
+
+    Args:
+        conversation: the messages (``source`` names the file and line).
+        image_refs: the image references in placeholder order, as the record writes them.
+    """
+
+    conversation: Conversation
+    image_refs: list[str]
+
+    @property
+    def num_placeholders(self) -> int:
+        """:data:`IMAGE_PLACEHOLDER` occurrences in the text of all messages."""
+        return sum(str(m.get("content") or "").count(IMAGE_PLACEHOLDER) for m in self.conversation.messages)
+
+
+def read_raw_records(path: str | Path) -> Iterator[tuple[str, Any]]:
+    """Yield ``(source, record)`` for each record of a ``.jsonl`` (``file:line``) or ``.json`` list
+    (``file[index]``); a JSONL line that is not JSON comes as ``(source, ChatFormatError)``.
+
+    Raises:
+        ValueError: another suffix, or a ``.json`` file that is not a JSON list.
+    """
+    path = Path(path)
+    if path.suffix not in SUFFIXES:
+        raise ValueError(f"{path}: VLM data files must be .json (a list of records) or .jsonl (one per line)")
+    if path.suffix == ".json":
+        try:
+            records = json.loads(path.read_text(encoding="utf-8"))
+        except json.JSONDecodeError as error:
+            raise ValueError(f"{path}: malformed JSON ({error.msg} at line {error.lineno})") from None
+        if not isinstance(records, list):
+            raise ValueError(
+                f"{path}: a .json data file must hold a list of records; write one per line as .jsonl"
+            )
+        for index, record in enumerate(records):
+            yield f"{path}[{index}]", record
+        return
+    with open(path, encoding="utf-8") as stream:
+        for line_number, line in enumerate(stream, start=1):
+            if not line.strip():
+                continue
+            source = f"{path}:{line_number}"
+            try:
+                yield source, json.loads(line)
+            except json.JSONDecodeError as error:
+                yield (
+                    source,
+                    ChatFormatError(f"{source}: malformed JSON ({error.msg} at column {error.colno})"),
+                )
+
+
+def parse_vlm_record(record: Any, source: str = "") -> VLMRecord:
+    """Read one record in any of the module's formats (text-only records included).
+
+    Raises:
+        ChatFormatError: the record is not a conversation, or its images are not references (naming ``source``).
+    """
+    try:
+        if not isinstance(record, dict):
+            raise TypeError(f"a record must be a JSON object, got {type(record).__name__}")
+        top = _top_level_images(record)
+        record, part_refs = _content_parts_to_text(record)
+        if top and part_refs:
+            raise ValueError("the record names images both in content parts and in a top-level list; use one")
+    except (TypeError, ValueError) as error:
+        raise ChatFormatError(f"{source}: {error}" if source else str(error)) from None
+    return VLMRecord(parse_record(record, source=source), part_refs or top)
+
+
+def resolve_image(ref: str, root: Path) -> ImageSource:
+    """Where the image ``ref`` is: a path relative to ``root`` (or absolute), ``file://`` or ``data:`` URL.
+
+    Raises:
+        ValueError: a remote URL (``http``, ``s3`` ...) or a ``data:`` URL that is not base64 image data.
+    """
+    if ref.startswith("data:"):
+        header, _, payload = ref.partition(",")
+        if not (header.startswith("data:image/") and header.endswith(";base64")):
+            raise ValueError(f"{ref[:40]}...: only base64 data:image/... URLs are supported")
+        try:
+            return ImageSource(f"{header},...", data=base64.b64decode(payload, validate=True))
+        except binascii.Error as error:
+            raise ValueError(f"{header},...: invalid base64 ({error})") from None
+    if ref.startswith("file://"):
+        url = urlparse(ref)
+        return ImageSource(ref, path=root / unquote(url.netloc + url.path))
+    if "://" in ref:
+        scheme = ref.partition("://")[0]
+        raise ValueError(
+            f"{ref}: {scheme}:// images are not fetched; download them and refer to the local files"
+        )
+    return ImageSource(ref, path=root / ref)
+
+
+def _top_level_images(record: dict[str, Any]) -> list[str]:
+    images = record.get("images", record.get("image"))
+    if images in (None, "", []):
+        return []
+    images = [images] if isinstance(images, str) else images
+    if not isinstance(images, list):
+        raise TypeError(f"images must be a path or a list of paths, got {type(images).__name__}")
+    for k, ref in enumerate(images):
+        if not isinstance(ref, str) or not ref:
+            raise TypeError(f"images[{k}] must be a non-empty path string, got {ref!r}")
+    return images
+
+
+def _content_parts_to_text(record: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+    """The record with each message's content parts joined into text (images as placeholders), and the image
+    references the parts carry."""
+    messages = record.get("messages")
+    if not isinstance(messages, list):
+        return record, []
+    refs: list[str] = []
+    out = []
+    for k, message in enumerate(messages):
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list):
+            message = {**message, "content": "".join(_part_text(p, f"messages[{k}]", refs) for p in content)}
+        out.append(message)
+    return {**record, "messages": out}, refs
+
+
+def _part_text(part: Any, where: str, refs: list[str]) -> str:
+    if not isinstance(part, dict) or "type" not in part:
+        raise TypeError(f"{where}: a content part must be an object with a 'type'")
+    if part["type"] == "text":
+        if not isinstance(part.get("text"), str):
+            raise TypeError(f"{where}: a text part needs a 'text' string")
+        return part["text"]
+    if part["type"] not in _IMAGE_PARTS:
+        raise ValueError(
+            f"{where}: unsupported content part type {part['type']!r}; use text, image or image_url"
+        )
+    ref = part.get(part["type"])
+    if isinstance(ref, dict):
+        ref = ref.get("url")
+    if ref is not None:
+        if not isinstance(ref, str) or not ref:
+            raise TypeError(f"{where}: an {part['type']} part's reference must be a non-empty string")
+        refs.append(ref)
+    return IMAGE_PLACEHOLDER

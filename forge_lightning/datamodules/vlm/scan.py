@@ -1,0 +1,233 @@
+"""The pre-scan of vision-language data at setup: every record is parsed, its images' headers read and verified
+(no full decode) and its text encoded, so that bad input is found before training, not in the middle of it.
+
+Each bad record is named by ``file:line`` (``file[index]`` in a ``.json`` list) and a reason; it is skipped and
+counted, or raised as a :class:`BadSampleError`. Each kept sample keeps its tokens, image sizes, training length and
+patch count (what packing and load balancing need).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from forge_lightning.datamodules.chat import ChatFormatError, Conversation
+from forge_lightning.datamodules.vlm.encoding import VLMEncoder
+from forge_lightning.datamodules.vlm.records import (
+    IMAGE_PLACEHOLDER,
+    ImageSource,
+    parse_vlm_record,
+    read_raw_records,
+    resolve_image,
+)
+
+ON_BAD_SAMPLE = ("skip", "error")
+
+# Reasons a record is left out, in the order the summary lists them.
+MALFORMED = "malformed record"
+NO_ASSISTANT = "no assistant turn"
+IMAGE_COUNT = "image count mismatch"
+UNSUPPORTED_IMAGE = "unsupported image"
+MISSING_IMAGE = "missing image"
+CORRUPT_IMAGE = "corrupt image"
+TOO_LONG = "too long"
+NOTHING_TRAINED = "nothing to train"
+REASONS = (
+    MALFORMED,
+    NO_ASSISTANT,
+    IMAGE_COUNT,
+    UNSUPPORTED_IMAGE,
+    MISSING_IMAGE,
+    CORRUPT_IMAGE,
+    TOO_LONG,
+    NOTHING_TRAINED,
+)
+
+
+class BadSampleError(ValueError):
+    """A record that cannot become a training sample; the message names its ``file:line`` and the reason.
+
+    Args:
+        reason: one of :data:`REASONS`.
+        message: ``"<source>: <what is wrong>"``.
+    """
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass
+class VLMSample:
+    """A record that passed the scan.
+
+    Args:
+        source: ``file:line`` (or ``file[index]``).
+        conversation: its messages (images as placeholders in the text).
+        tokens: int32 ids, vision tokens expanded.
+        trainable: per-token loss flags.
+        images: where its images are, in order.
+        sizes: ``(width, height)`` of each image.
+        num_patches: vision-encoder patches of all its images.
+    """
+
+    source: str
+    conversation: Conversation
+    tokens: np.ndarray
+    trainable: np.ndarray
+    images: list[ImageSource]
+    sizes: list[tuple[int, int]]
+    num_patches: int
+
+    @property
+    def length(self) -> int:
+        """Training positions (tokens minus one: the last token is only a target)."""
+        return len(self.tokens) - 1
+
+
+@dataclass
+class ScanReport:
+    """What the scan kept and why it left records out.
+
+    Args:
+        files: the data files scanned.
+        records: records read.
+        kept: records kept as samples.
+        tokens: training positions of the kept samples, vision tokens included.
+        images: images of the kept samples.
+        skipped: the messages of the left-out records, by reason (one of :data:`REASONS`).
+    """
+
+    files: list[str]
+    records: int = 0
+    kept: int = 0
+    tokens: int = 0
+    images: int = 0
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        """One line for the log, naming the first record of each reason."""
+        line = (
+            f"VLM data {', '.join(self.files)}: {self.kept} of {self.records} samples kept "
+            f"({self.tokens} tokens, {self.images} images)"
+        )
+        reasons = [r for r in REASONS if self.skipped.get(r)]
+        if reasons:
+            line += "; skipped " + ", ".join(
+                f"{len(self.skipped[r])} {r} ({self.skipped[r][0]})" for r in reasons
+            )
+        return line
+
+
+def scan_files(
+    files: Sequence[str | Path],
+    encoder: VLMEncoder,
+    *,
+    seq_length: int,
+    image_root: str | Path | None = None,
+    on_bad_sample: str = "skip",
+    verify_pixels: bool = False,
+) -> tuple[list[VLMSample], ScanReport]:
+    """Scan data files into the samples fit to train on.
+
+    Args:
+        files: ``.json`` / ``.jsonl`` files of records.
+        encoder: renders and tokenizes a record with its vision tokens.
+        seq_length: most training positions per sample; longer samples are bad (cutting one would cut images).
+        image_root: the directory relative image paths start from (default: each data file's directory).
+        on_bad_sample: ``skip`` (count and leave out) or ``error`` (raise the first).
+        verify_pixels: also decode every image (slow; finds a truncated JPEG, which ``verify()`` cannot).
+
+    Raises:
+        BadSampleError: the first bad record, with ``on_bad_sample="error"``.
+    """
+    if on_bad_sample not in ON_BAD_SAMPLE:
+        raise ValueError(f"on_bad_sample ({on_bad_sample!r}) must be one of {', '.join(ON_BAD_SAMPLE)}")
+    report = ScanReport([str(f) for f in files])
+    samples = []
+    for path in files:
+        root = Path(image_root) if image_root is not None else Path(path).parent
+        for source, record in read_raw_records(path):
+            report.records += 1
+            try:
+                sample = _scan_record(source, record, encoder, root, seq_length, verify_pixels)
+            except BadSampleError as error:
+                if on_bad_sample == "error":
+                    raise
+                report.skipped.setdefault(error.reason, []).append(str(error))
+                continue
+            samples.append(sample)
+            report.kept += 1
+            report.tokens += sample.length
+            report.images += len(sample.images)
+    return samples, report
+
+
+def _scan_record(
+    source: str, record: object, encoder: VLMEncoder, root: Path, seq_length: int, verify_pixels: bool
+) -> VLMSample:
+    if isinstance(record, ChatFormatError):
+        raise BadSampleError(MALFORMED, str(record))
+    try:
+        parsed = parse_vlm_record(record, source)
+    except ChatFormatError as error:
+        raise BadSampleError(MALFORMED, str(error)) from None
+    conversation = parsed.conversation
+    if not conversation.assistant_turns:
+        raise BadSampleError(NO_ASSISTANT, f"{source}: the conversation has no assistant turn to train on")
+    if parsed.num_placeholders != len(parsed.image_refs):
+        raise BadSampleError(
+            IMAGE_COUNT,
+            f"{source}: {parsed.num_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the text but "
+            f"{len(parsed.image_refs)} image(s)",
+        )
+    token = encoder.vision.image_token
+    if any(
+        token in str(m.get("content") or "").replace(IMAGE_PLACEHOLDER, "") for m in conversation.messages
+    ):
+        raise BadSampleError(
+            IMAGE_COUNT,
+            f"{source}: the text holds the image token {token!r} itself; mark images with {IMAGE_PLACEHOLDER}",
+        )
+    images = [_resolve(source, ref, root) for ref in parsed.image_refs]
+    sizes = [_probe(source, image, verify_pixels) for image in images]
+    try:
+        num_patches = sum(encoder.vision.num_patches(size) for size in sizes)
+    except ValueError as error:  # e.g. an aspect ratio smart_resize refuses
+        raise BadSampleError(UNSUPPORTED_IMAGE, f"{source}: {error}") from None
+    try:
+        encoded = encoder.encode(conversation, sizes)
+    except ValueError as error:  # the template cannot render it (the message names the source)
+        raise BadSampleError(MALFORMED, str(error)) from None
+    length = len(encoded.tokens) - 1
+    if length > seq_length:
+        raise BadSampleError(
+            TOO_LONG, f"{source}: {length} tokens after image expansion > seq_length {seq_length}"
+        )
+    if not encoded.trainable[1:].any():  # the first token is never a target
+        raise BadSampleError(NOTHING_TRAINED, f"{source}: no token left to train on (empty answers?)")
+    return VLMSample(source, conversation, encoded.tokens, encoded.trainable, images, sizes, num_patches)
+
+
+def _resolve(source: str, ref: str, root: Path) -> ImageSource:
+    try:
+        return resolve_image(ref, root)
+    except ValueError as error:
+        raise BadSampleError(UNSUPPORTED_IMAGE, f"{source}: {error}") from None
+
+
+def _probe(source: str, image: ImageSource, verify_pixels: bool) -> tuple[int, int]:
+    try:
+        size = image.size()
+        if verify_pixels:
+            image.load()
+        return size
+    except FileNotFoundError as error:
+        raise BadSampleError(MISSING_IMAGE, f"{source}: {error}") from None
+    except (
+        Exception
+    ) as error:  # Pillow raises many kinds (OSError, SyntaxError, struct.error ...) for bad files
+        raise BadSampleError(CORRUPT_IMAGE, f"{source}: {image.ref} cannot be read ({error})") from None

@@ -1,0 +1,233 @@
+"""The image side of a vision-language sample: which tokens stand for an image in the text, and its pixel inputs.
+
+A :class:`VisionInputs` renders each image as one :attr:`~VisionInputs.image_token` in the chat text, then the
+encoder replaces that token by :meth:`~VisionInputs.placeholder_ids` of the image's size; :meth:`process` makes the
+pixel inputs the model takes. Two are built in (:data:`PROCESSORS`):
+
+* ``qwen2_vl``: Qwen2-VL / Qwen2.5-VL dynamic resolution, ``<|vision_start|>`` + N x ``<|image_pad|>`` +
+  ``<|vision_end|>`` with N the merged tokens after ``smart_resize``; ``pixel_values [patches, patch_dim]`` and
+  ``image_grid_thw [images, 3]``.
+* ``fixed``: a fixed-resolution encoder (SigLIP, CLIP as in LLaVA): ``(image_size // patch_size) ** 2`` x
+  ``<image>``; ``pixel_values [images, 3, image_size, image_size]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import numpy as np
+import torch
+from PIL import Image
+from torch import Tensor
+
+from forge_lightning.datamodules.vlm.image_processor import Qwen2VLImageProcessor
+
+
+@runtime_checkable
+class VisionInputs(Protocol):
+    """How images enter a sample: their tokens in the text and their pixel inputs."""
+
+    image_token: str
+    """The token that stands for one image in the rendered chat text (a special token of the tokenizer)."""
+
+    image_token_id: int
+    """Its id."""
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        """The special token ids the model must agree on, by their config names (``image_token_id`` ...)."""
+        ...
+
+    def placeholder_ids(self, size: tuple[int, int]) -> list[int]:
+        """The token ids that replace the image token for an image of ``size`` ``(width, height)``."""
+        ...
+
+    def num_patches(self, size: tuple[int, int]) -> int:
+        """The vision-encoder patches of an image of ``size`` ``(width, height)``."""
+        ...
+
+    def process(self, images: Sequence[Image.Image]) -> dict[str, Tensor]:
+        """The model's pixel inputs for RGB ``images`` of one sample, in order; concatenating those of several
+        samples along dim 0 gives the batch's."""
+        ...
+
+
+def special_token_id(tokenizer: Any, token: str) -> int | None:
+    """The id of ``token`` if the tokenizer has it as one token that text containing it encodes to, else ``None``."""
+    token_id = tokenizer.get_vocab().get(token)
+    if token_id is None or tokenizer.encode(token, add_special_tokens=False) != [token_id]:
+        return None
+    return token_id
+
+
+def token_ids(tokenizer: Any, tokens: dict[str, str], processor: str) -> dict[str, int]:
+    """``{name: id}`` of ``tokens`` (``{name: token}``) in ``tokenizer``.
+
+    Raises:
+        ValueError: naming every token the tokenizer lacks.
+    """
+    ids = {name: special_token_id(tokenizer, token) for name, token in tokens.items()}
+    missing = [tokens[name] for name, token_id in ids.items() if token_id is None]
+    if missing:
+        raise ValueError(
+            f"the tokenizer ({getattr(tokenizer, 'name_or_path', type(tokenizer).__name__)}) lacks the special "
+            f"token(s) {', '.join(missing)} that processor {processor!r} writes for images: use the tokenizer of "
+            "the model being trained (its checkpoint directory), whose vocabulary and embeddings have them"
+        )
+    return ids  # type: ignore[return-value]
+
+
+class Qwen2VLVisionInputs:
+    """Qwen2-VL / Qwen2.5-VL images: dynamic resolution, one ``<|image_pad|>`` per merged patch between
+    ``<|vision_start|>`` and ``<|vision_end|>``, the patches of :class:`Qwen2VLImageProcessor`.
+
+    Args:
+        processor: the image processor (its pixel limits decide the token count of each image).
+        image_token_id: ``<|image_pad|>``.
+        vision_start_token_id: ``<|vision_start|>``.
+        vision_end_token_id: ``<|vision_end|>``.
+    """
+
+    name: ClassVar[str] = "qwen2_vl"
+    options: ClassVar[tuple[str, ...]] = (
+        "min_pixels",
+        "max_pixels",
+        "patch_size",
+        "merge_size",
+        "temporal_patch_size",
+    )
+    tokens: ClassVar[dict[str, str]] = {
+        "image_token_id": "<|image_pad|>",
+        "vision_start_token_id": "<|vision_start|>",
+        "vision_end_token_id": "<|vision_end|>",
+    }
+    image_token = "<|image_pad|>"
+
+    def __init__(
+        self,
+        processor: Qwen2VLImageProcessor,
+        *,
+        image_token_id: int,
+        vision_start_token_id: int,
+        vision_end_token_id: int,
+    ) -> None:
+        self.processor = processor
+        self.image_token_id = image_token_id
+        self.vision_start_token_id = vision_start_token_id
+        self.vision_end_token_id = vision_end_token_id
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, **options: int) -> Qwen2VLVisionInputs:
+        """Built with the token ids of ``tokenizer`` and :class:`Qwen2VLImageProcessor` ``options``."""
+        return cls(Qwen2VLImageProcessor(**options), **token_ids(tokenizer, cls.tokens, cls.name))
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        """``image_token_id``, ``vision_start_token_id`` and ``vision_end_token_id``."""
+        return {name: getattr(self, name) for name in self.tokens}
+
+    def _grid(self, size: tuple[int, int]) -> tuple[int, int, int]:
+        width, height = size
+        return self.processor.image_grid(height, width)
+
+    def placeholder_ids(self, size: tuple[int, int]) -> list[int]:
+        """``<|vision_start|>``, one ``<|image_pad|>`` per merged patch, ``<|vision_end|>``."""
+        t, h, w = self._grid(size)
+        count = t * h * w // self.processor.merge_size**2
+        return [self.vision_start_token_id, *[self.image_token_id] * count, self.vision_end_token_id]
+
+    def num_patches(self, size: tuple[int, int]) -> int:
+        """Rows of ``pixel_values`` the image becomes: ``t * h * w``."""
+        t, h, w = self._grid(size)
+        return t * h * w
+
+    def process(self, images: Sequence[Image.Image]) -> dict[str, Tensor]:
+        """``pixel_values [patches, patch_dim]`` and ``image_grid_thw [images, 3]``."""
+        return self.processor.preprocess_images(images)
+
+
+class FixedResolutionVisionInputs:
+    """Images of a fixed-resolution encoder (SigLIP; CLIP as in LLaVA): each resized to ``image_size`` square,
+    rescaled to ``[0, 1]``, normalised, and written as ``(image_size // patch_size) ** 2`` image tokens.
+
+    Args:
+        image_token_id: the ``<image>`` token.
+        image_size: side of the square the encoder takes, in pixels.
+        patch_size: side of an encoder patch (one image token per patch).
+        image_mean: per-channel mean subtracted after rescaling (SigLIP's 0.5).
+        image_std: per-channel standard deviation divided by (SigLIP's 0.5).
+        resample: Pillow resampling filter by name.
+    """
+
+    name: ClassVar[str] = "fixed"
+    options: ClassVar[tuple[str, ...]] = ("image_size", "patch_size")
+    tokens: ClassVar[dict[str, str]] = {"image_token_id": "<image>"}
+    image_token = "<image>"
+
+    def __init__(
+        self,
+        *,
+        image_token_id: int,
+        image_size: int = 384,
+        patch_size: int = 14,
+        image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5),
+        image_std: tuple[float, float, float] = (0.5, 0.5, 0.5),
+        resample: str = "bicubic",
+    ) -> None:
+        if not 0 < patch_size <= image_size:
+            raise ValueError(
+                f"patch_size ({patch_size}) must be positive and at most image_size ({image_size})"
+            )
+        if len(image_mean) != 3 or len(image_std) != 3 or not all(s > 0 for s in image_std):
+            raise ValueError(
+                f"image_mean ({image_mean}) and image_std ({image_std}) need 3 values, std positive"
+            )
+        self.image_token_id = image_token_id
+        self.image_size = image_size
+        self.patch_size = patch_size
+        self._filter = Image.Resampling[resample.upper()]
+        # uint8 -> normalised float32 per channel, rounded as transformers rounds it (rescale in float64, cast).
+        scaled = (np.arange(256, dtype=np.float64) / 255).astype(np.float32)
+        mean = np.asarray(image_mean, dtype=np.float32)[:, None]
+        std = np.asarray(image_std, dtype=np.float32)[:, None]
+        self._table_C256 = (scaled[None, :] - mean) / std
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer: Any, **options: int) -> FixedResolutionVisionInputs:
+        """Built with the ``<image>`` id of ``tokenizer`` and ``image_size`` / ``patch_size`` ``options``."""
+        return cls(**token_ids(tokenizer, cls.tokens, cls.name), **options)
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        """``image_token_id``."""
+        return {"image_token_id": self.image_token_id}
+
+    @property
+    def tokens_per_image(self) -> int:
+        """``(image_size // patch_size) ** 2``."""
+        return (self.image_size // self.patch_size) ** 2
+
+    def placeholder_ids(self, size: tuple[int, int]) -> list[int]:
+        """:attr:`tokens_per_image` ``<image>`` tokens, whatever the size."""
+        return [self.image_token_id] * self.tokens_per_image
+
+    def num_patches(self, size: tuple[int, int]) -> int:
+        """:attr:`tokens_per_image`."""
+        return self.tokens_per_image
+
+    def process(self, images: Sequence[Image.Image]) -> dict[str, Tensor]:
+        """``pixel_values [images, 3, image_size, image_size]`` float32."""
+        side = (self.image_size, self.image_size)
+        pixels_NHWC = np.stack(
+            [np.asarray(i.convert("RGB").resize(side, resample=self._filter)) for i in images]
+        )
+        pixels_NHWC = self._table_C256[np.arange(3), pixels_NHWC]
+        return {"pixel_values": torch.from_numpy(pixels_NHWC).permute(0, 3, 1, 2).contiguous()}
+
+
+PROCESSORS: dict[str, type[Qwen2VLVisionInputs] | type[FixedResolutionVisionInputs]] = {
+    "qwen2_vl": Qwen2VLVisionInputs,
+    "fixed": FixedResolutionVisionInputs,
+}
+"""The built-in :class:`VisionInputs` by name."""
