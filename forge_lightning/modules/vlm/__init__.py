@@ -1,5 +1,7 @@
 """Vision-language models: the composed model (:mod:`.model`, :mod:`.config`, Hugging Face interchange in
-:mod:`.hf`), vision encoders (:mod:`.qwen2_5_vit`), the patch-grid layout they share (:mod:`.patches`).
+:mod:`.hf`, composition from component checkpoints in :mod:`.compose`), vision encoders (:mod:`.qwen2_5_vit`,
+:mod:`.siglip`) and how each plugs in (:mod:`.towers`), projectors (:mod:`.projector`), the patch-grid layout the
+Qwen encoder uses (:mod:`.patches`).
 
 Public names are imported lazily, so importing one submodule (e.g. ``positions``) does not import the others.
 """
@@ -10,18 +12,42 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "FAMILIES": "config",
+    "VISION_TYPES": "config",
     "VLMConfig": "config",
+    "PROJECTORS": "projector",
+    "MLPProjectorConfig": "projector",
+    "MultiModalProjector": "projector",
+    "SiglipVisionConfig": "siglip",
+    "SiglipVisionTransformer": "siglip",
     "VisionLanguageModel": "model",
+    "build_vlm": "compose",
     "from_pretrained": "hf",
     "save_pretrained": "hf",
 }
 
-__all__ = ["VLMConfig", "VisionLanguageModel", "from_pretrained", "save_pretrained"]
+__all__ = [
+    "FAMILIES",
+    "MLPProjectorConfig",
+    "MultiModalProjector",
+    "PROJECTORS",
+    "SiglipVisionConfig",
+    "SiglipVisionTransformer",
+    "VISION_TYPES",
+    "VLMConfig",
+    "VisionLanguageModel",
+    "build_vlm",
+    "from_pretrained",
+    "save_pretrained",
+]
 
 if TYPE_CHECKING:
-    from forge_lightning.modules.vlm.config import VLMConfig
+    from forge_lightning.modules.vlm.compose import build_vlm
+    from forge_lightning.modules.vlm.config import FAMILIES, VISION_TYPES, VLMConfig
     from forge_lightning.modules.vlm.hf import from_pretrained, save_pretrained
     from forge_lightning.modules.vlm.model import VisionLanguageModel
+    from forge_lightning.modules.vlm.projector import PROJECTORS, MLPProjectorConfig, MultiModalProjector
+    from forge_lightning.modules.vlm.siglip import SiglipVisionConfig, SiglipVisionTransformer
 
 
 def __getattr__(name: str) -> Any:

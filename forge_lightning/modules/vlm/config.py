@@ -1,28 +1,73 @@
 """Configuration of a vision-language model: a vision encoder, a projector and a decoder LM, with the special
-tokens that tie them together. Reads and writes the ``config.json`` of Qwen2.5-VL checkpoints."""
+tokens that tie them together. Reads and writes the ``config.json`` of Qwen2.5-VL and LLaVA checkpoints.
+
+The ``vision.type`` decides the family (:data:`FAMILIES`): the Hugging Face architecture it exports as, the
+projector that architecture has, whether the LLM takes multimodal RoPE positions, and which token fields it uses::
+
+    vision.type   family       model_type   projector   LLM positions          token fields
+    qwen2_5_vit   Qwen2.5-VL   qwen2_5_vl   none        M-RoPE [3, B, S]       image / video / vision start, end
+    siglip        LLaVA        llava        mlp         1-D (the LLM's own)    image
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.vlm.projector import PROJECTORS, IdentityProjectorConfig, MLPProjectorConfig
 from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionConfig
+from forge_lightning.modules.vlm.siglip import SiglipVisionConfig
 
-VISION_TYPES: dict[str, type] = {"qwen2_5_vit": Qwen25VisionConfig}
+VISION_TYPES: dict[str, type] = {"qwen2_5_vit": Qwen25VisionConfig, "siglip": SiglipVisionConfig}
 """Vision encoder configs by the ``type`` of a ``vision`` section."""
-
-PROJECTORS = ("none",)
-"""Projectors between encoder and LLM; ``none`` when the encoder itself ends in the LLM's width (Qwen2.5-VL's patch
-merger, ``vision.merger``)."""
-
-HF_ARCHITECTURE = "Qwen2_5_VLForConditionalGeneration"
-HF_MODEL_TYPE = "qwen2_5_vl"
 
 # transformers' Qwen2.5-VL vision config default, used when a config.json omits the key (released ones write 2).
 _HF_TOKENS_PER_SECOND = 4
-_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+# transformers' LlavaConfig defaults, used when a config.json omits the key.
+_HF_LLAVA_DEFAULTS = {
+    "image_token_index": 32000,
+    "vision_feature_layer": -2,
+    "vision_feature_select_strategy": "default",
+    "multimodal_projector_bias": True,
+    "projector_hidden_act": "gelu",
+}
+_FAMILY_FIELDS = (
+    "image_token_id",
+    "video_token_id",
+    "vision_start_token_id",
+    "vision_end_token_id",
+    "tokens_per_second",
+)
+
+
+@dataclass(frozen=True)
+class Family:
+    """A composed architecture, chosen by ``vision.type``.
+
+    Args:
+        name: its name in messages.
+        model_type: the ``model_type`` of its Hugging Face ``config.json``.
+        architecture: the transformers class it exports as.
+        vision_model_types: the ``vision_config`` ``model_type`` values it reads.
+        projector: the projector the architecture has (the default of ``projector``).
+        mrope: the LLM takes multimodal RoPE positions (``llm.rope_scaling.mrope_section``), or else 1-D ones.
+        fields: the token / timing fields of :class:`VLMConfig` it uses, with their defaults (``None``: required);
+            the others must stay unset.
+        from_hf: reads its ``config.json`` dict.
+        to_hf: writes it.
+    """
+
+    name: str
+    model_type: str
+    architecture: str
+    vision_model_types: tuple[str, ...]
+    projector: str
+    mrope: bool
+    fields: Mapping[str, Any]
+    from_hf: Callable[[Mapping[str, Any]], VLMConfig]
+    to_hf: Callable[[VLMConfig], dict[str, Any]]
 
 
 @dataclass(kw_only=True)
@@ -31,109 +76,290 @@ class VLMConfig:
 
     Args:
         vision: the encoder's config, or a mapping with a ``type`` (a key of :data:`VISION_TYPES`, default
-            ``qwen2_5_vit``) and that config's fields.
-        llm: the language model's config (or its fields as a mapping); it needs multimodal RoPE
-            (``rope_scaling.mrope_section``).
-        projector: the module that maps encoder features to the LLM width (see :data:`PROJECTORS`).
-        image_token_id: the ``<|image_pad|>`` token; one per merged image patch, replaced by its feature.
-        video_token_id: the ``<|video_pad|>`` token; one per merged video patch.
-        vision_start_token_id: the ``<|vision_start|>`` token before each image or video.
-        vision_end_token_id: the ``<|vision_end|>`` token after each image or video.
-        tokens_per_second: temporal RoPE positions per second of video (``vision_config.tokens_per_second``).
+            ``qwen2_5_vit``) and that config's fields. Its type picks the family (see the module docstring).
+        llm: the language model's config, its fields as a mapping, or a preset name / ``config.json`` path
+            (:meth:`LLMConfig.load`). Qwen2.5-VL needs multimodal RoPE (``rope_scaling.mrope_section``), LLaVA
+            plain RoPE.
+        projector: the module that maps encoder features to the LLM width: a name in
+            :data:`~forge_lightning.modules.vlm.projector.PROJECTORS`, a mapping with a ``type`` and that config's
+            fields, or a projector config; default: the family's (``none`` for Qwen2.5-VL, ``mlp`` for LLaVA).
+        image_token_id: the image placeholder (``<|image_pad|>``, LLaVA's ``<image>``): one per image feature,
+            replaced by it. Default 151655 for Qwen2.5-VL; LLaVA needs it set.
+        video_token_id: Qwen2.5-VL's ``<|video_pad|>`` token, one per merged video patch (default 151656).
+        vision_start_token_id: Qwen2.5-VL's ``<|vision_start|>`` token before each image or video (default 151652).
+        vision_end_token_id: Qwen2.5-VL's ``<|vision_end|>`` token after each image or video (default 151653).
+        tokens_per_second: Qwen2.5-VL's temporal RoPE positions per second of video
+            (``vision_config.tokens_per_second``; default 2).
+
+    Fields a family does not use (:attr:`Family.fields`) must stay unset.
     """
 
-    vision: Qwen25VisionConfig
+    vision: Qwen25VisionConfig | SiglipVisionConfig
     llm: LLMConfig
-    projector: str = "none"
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
-    vision_end_token_id: int = 151653
-    tokens_per_second: float = 2
+    projector: IdentityProjectorConfig | MLPProjectorConfig | str | None = None
+    image_token_id: int | None = None
+    video_token_id: int | None = None
+    vision_start_token_id: int | None = None
+    vision_end_token_id: int | None = None
+    tokens_per_second: float | None = None
 
     def __post_init__(self) -> None:
-        if isinstance(self.vision, Mapping):
-            fields = dict(self.vision)
-            kind = fields.pop("type", "qwen2_5_vit")
-            if kind not in VISION_TYPES:
-                raise ValueError(
-                    f"vision.type ({kind!r}) is not supported; supported: {', '.join(VISION_TYPES)}"
-                )
-            self.vision = VISION_TYPES[kind](**fields)
+        self.vision = _section(self.vision, VISION_TYPES, "vision", default="qwen2_5_vit")
+        family = self.family
+        self.projector = _section(
+            family.projector if self.projector is None else self.projector, PROJECTORS, "projector"
+        )
         if isinstance(self.llm, Mapping):
             self.llm = LLMConfig(**self.llm)
-        if self.projector not in PROJECTORS:
-            raise ValueError(f"projector ({self.projector!r}) must be one of {', '.join(PROJECTORS)}")
-        if self.vision.out_hidden_size != self.llm.hidden_size:
+        elif isinstance(self.llm, str):
+            self.llm = LLMConfig.load(self.llm)
+        self.projector.check_widths(self.vision.out_hidden_size, self.llm.hidden_size)
+        if family.mrope and self.llm.mrope_section is None:
             raise ValueError(
-                f"vision.out_hidden_size ({self.vision.out_hidden_size}) must equal llm.hidden_size "
-                f"({self.llm.hidden_size}) with projector 'none'"
+                f"llm.rope_scaling has no mrope_section: a {family.name} language model takes multimodal RoPE "
+                "positions"
             )
-        if self.llm.mrope_section is None:
+        if not family.mrope and self.llm.mrope_section is not None:
             raise ValueError(
-                "llm.rope_scaling has no mrope_section: a Qwen2.5-VL language model takes multimodal RoPE positions"
+                f"llm.rope_scaling has an mrope_section, but vision.type {self.vision_type!r} ({family.name}) gives "
+                "the language model 1-D positions: use a text config without multimodal RoPE"
             )
-        ids = {name: getattr(self, name) for name in _TOKEN_FIELDS}
+        self._check_family_fields(family)
+
+    def _check_family_fields(self, family: Family) -> None:
+        for name in _FAMILY_FIELDS:
+            value = getattr(self, name)
+            if name not in family.fields:
+                if value is not None:
+                    raise ValueError(
+                        f"{name} ({value!r}) is not used by vision.type {self.vision_type!r} ({family.name}): "
+                        "leave it unset"
+                    )
+                continue
+            if value is None:
+                if family.fields[name] is None:
+                    raise ValueError(
+                        f"{name} must be set for vision.type {self.vision_type!r} ({family.name}): the id of its "
+                        "placeholder token in the LLM's vocabulary"
+                    )
+                setattr(self, name, family.fields[name])
+        ids = {name: getattr(self, name) for name in family.fields if name.endswith("_token_id")}
         for name, value in ids.items():
-            if not isinstance(value, int) or not 0 <= value < self.llm.vocab_size:
+            if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < self.llm.vocab_size:
                 raise ValueError(
                     f"{name} ({value!r}) must be a token id in [0, llm.vocab_size={self.llm.vocab_size})"
                 )
         if len(set(ids.values())) != len(ids):
             raise ValueError(f"the special token ids must differ: {ids}")
-        if not self.tokens_per_second > 0:
+        if self.tokens_per_second is not None and not self.tokens_per_second > 0:
             raise ValueError(f"tokens_per_second ({self.tokens_per_second}) must be positive")
 
     @property
     def vision_type(self) -> str:
         """The ``type`` of the vision section (a key of :data:`VISION_TYPES`)."""
-        return next(k for k, v in VISION_TYPES.items() if isinstance(self.vision, v))
+        return _type_of(self.vision, VISION_TYPES)
+
+    @property
+    def projector_type(self) -> str:
+        """The ``type`` of the projector (a key of :data:`~forge_lightning.modules.vlm.projector.PROJECTORS`)."""
+        return _type_of(self.projector, PROJECTORS)
+
+    @property
+    def family(self) -> Family:
+        """The composed architecture of :attr:`vision_type` (see :data:`FAMILIES`)."""
+        return FAMILIES[self.vision_type]
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> VLMConfig:
-        """Read a Qwen2.5-VL ``config.json`` dict: transformers 5 nests the LLM in ``text_config``; older files keep
-        the text fields at the top level.
+        """Read the ``config.json`` dict of a Qwen2.5-VL or LLaVA checkpoint (the family by ``model_type``).
 
         Raises:
-            ValueError: another ``model_type``, no ``vision_config``, or a field that fails validation.
+            ValueError: an unsupported ``model_type``, no ``vision_config``, a ``vision_config`` of another family,
+                or a field that fails validation.
         """
-        if hf.get("model_type") != HF_MODEL_TYPE:
-            raise ValueError(f"model_type ({hf.get('model_type')!r}) must be {HF_MODEL_TYPE!r} (Qwen2.5-VL)")
+        by_model_type = {f.model_type: f for f in FAMILIES.values()}
+        model_type = hf.get("model_type")
+        if model_type not in by_model_type:
+            supported = ", ".join(f"{f.model_type} ({f.name})" for f in FAMILIES.values())
+            raise ValueError(f"model_type ({model_type!r}) is not supported; supported: {supported}")
+        family = by_model_type[model_type]
         if "vision_config" not in hf:
-            raise ValueError("a Qwen2.5-VL config.json needs a vision_config")
-        text = (
-            dict(hf["text_config"])
-            if "text_config" in hf
-            else {k: v for k, v in hf.items() if k != "vision_config"}
-        )
-        text["model_type"] = "qwen2_5_vl_text"
-        if "tie_word_embeddings" in hf:  # transformers ties by the top-level flag
-            text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-        vision = hf["vision_config"]
-        tokens = {name: hf[name] for name in _TOKEN_FIELDS if name in hf}
-        return cls(
-            vision=Qwen25VisionConfig.from_hf(vision),
-            llm=LLMConfig.from_hf(text),
-            tokens_per_second=vision.get("tokens_per_second", _HF_TOKENS_PER_SECOND),
-            **tokens,
-        )
+            raise ValueError(f"a {family.name} config.json needs a vision_config")
+        vision_type = hf["vision_config"].get("model_type")
+        if vision_type is not None and vision_type not in family.vision_model_types:
+            owner = next((f for f in FAMILIES.values() if vision_type in f.vision_model_types), None)
+            takes = (
+                f"{model_type!r} takes a vision_config of model_type {' / '.join(family.vision_model_types)}"
+            )
+            if owner is None:
+                raise ValueError(f"vision_config model_type ({vision_type!r}) is not supported: {takes}")
+            raise ValueError(
+                f"model_type ({model_type!r}) must be {owner.model_type!r} for a vision_config of model_type "
+                f"{vision_type!r} ({owner.name}); {takes}"
+            )
+        return family.from_hf(hf)
 
     def to_hf(self) -> dict[str, Any]:
-        """A transformers 5 ``config.json`` dict (``text_config`` and ``vision_config`` nested)."""
-        text = self.llm.to_hf()
-        vision = {
-            **self.vision.to_hf(),
-            "model_type": "qwen2_5_vl_vision",
-            "tokens_per_second": self.tokens_per_second,
-        }
-        hf = {
-            "architectures": [HF_ARCHITECTURE],
-            "model_type": HF_MODEL_TYPE,
-            "text_config": text,
-            "vision_config": vision,
-            "tie_word_embeddings": self.llm.tie_word_embeddings,
-            **{name: getattr(self, name) for name in _TOKEN_FIELDS},
-        }
-        if "dtype" in text:
-            hf["torch_dtype"] = hf["dtype"] = text["dtype"]
+        """The family's transformers 5 ``config.json`` dict (``text_config`` and ``vision_config`` nested).
+
+        Raises:
+            ValueError: the projector is not the one the family's architecture has.
+        """
+        family = self.family
+        if self.projector_type != family.projector:
+            raise ValueError(
+                f"a {family.name} checkpoint ({family.architecture}) has projector {family.projector!r}; this "
+                f"config has {self.projector_type!r}, which transformers cannot load"
+            )
+        hf = family.to_hf(self)
+        if "dtype" in hf["text_config"]:
+            hf["torch_dtype"] = hf["dtype"] = hf["text_config"]["dtype"]
         return hf
+
+
+def _section(value: Any, types: Mapping[str, type], field: str, *, default: str | None = None) -> Any:
+    """A config of one of ``types`` from a config, a type name, or a mapping of a ``type`` and the fields."""
+    if isinstance(value, tuple(types.values())):
+        return value
+    if isinstance(value, str):
+        kind, fields, label = value, {}, field
+    elif isinstance(value, Mapping):
+        fields = dict(value)
+        kind, label = fields.pop("type", default), f"{field}.type"
+        if "pretrained" in fields:
+            raise ValueError(
+                f"{field}.pretrained names a checkpoint to load: build the model with "
+                "forge_lightning.modules.vlm.build_vlm, which reads it"
+            )
+    else:
+        raise ValueError(f"{field} must be a config, a type name or a mapping, got {type(value).__name__}")
+    if kind not in types:
+        raise ValueError(f"{label} ({kind!r}) is not supported; supported: {', '.join(types)}")
+    try:
+        return types[kind](**fields)
+    except TypeError as err:  # an unknown or missing field
+        raise ValueError(f"{field} (type {kind!r}): {err}") from err
+
+
+def _type_of(config: Any, types: Mapping[str, type]) -> str:
+    return next(k for k, v in types.items() if isinstance(config, v))
+
+
+# ---------------------------------------------------------------- Qwen2.5-VL
+
+
+def _qwen2_5_vl_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
+    """transformers 5 nests the LLM in ``text_config``; older files keep the text fields at the top level."""
+    text = (
+        dict(hf["text_config"])
+        if "text_config" in hf
+        else {k: v for k, v in hf.items() if k != "vision_config"}
+    )
+    text["model_type"] = "qwen2_5_vl_text"
+    if "tie_word_embeddings" in hf:  # transformers ties by the top-level flag
+        text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+    vision = hf["vision_config"]
+    tokens = {name: hf[name] for name in _FAMILY_FIELDS if name.endswith("_token_id") and name in hf}
+    return VLMConfig(
+        vision=Qwen25VisionConfig.from_hf(vision),
+        llm=LLMConfig.from_hf(text),
+        tokens_per_second=vision.get("tokens_per_second", _HF_TOKENS_PER_SECOND),
+        **tokens,
+    )
+
+
+def _qwen2_5_vl_to_hf(config: VLMConfig) -> dict[str, Any]:
+    vision = {
+        **config.vision.to_hf(),
+        "model_type": "qwen2_5_vl_vision",
+        "tokens_per_second": config.tokens_per_second,
+    }
+    return {
+        "architectures": [config.family.architecture],
+        "model_type": config.family.model_type,
+        "text_config": config.llm.to_hf(),
+        "vision_config": vision,
+        "tie_word_embeddings": config.llm.tie_word_embeddings,
+        **{name: getattr(config, name) for name in _FAMILY_FIELDS if name.endswith("_token_id")},
+    }
+
+
+# ---------------------------------------------------------------- LLaVA
+
+
+def _llava_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
+    """The LLM may be any architecture :class:`LLMConfig` reads (Llama, Qwen2, Qwen3, ...)."""
+    hf = {**_HF_LLAVA_DEFAULTS, **hf}
+    vision = hf["vision_config"]
+    if "model_type" not in vision:
+        raise ValueError(
+            "a LLaVA vision_config needs its model_type ('siglip_vision_model'): transformers reads one without "
+            "as CLIP"
+        )
+    if "text_config" not in hf:
+        raise ValueError("a LLaVA config.json needs a text_config")
+    text = {"model_type": "llama", **hf["text_config"]}  # transformers' default text model
+    # LlavaConfig lifts the text config's flag to the top level, where transformers ties by it.
+    text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+    return VLMConfig(
+        vision=SiglipVisionConfig.from_hf(
+            vision,
+            feature_layer=hf["vision_feature_layer"],
+            feature_select_strategy=hf["vision_feature_select_strategy"],
+        ),
+        llm=LLMConfig.from_hf(text),
+        projector=MLPProjectorConfig(
+            bias=hf["multimodal_projector_bias"], hidden_act=hf["projector_hidden_act"]
+        ),
+        image_token_id=hf.get("image_token_id", hf["image_token_index"]),
+    )
+
+
+def _llava_to_hf(config: VLMConfig) -> dict[str, Any]:
+    vision, projector = config.vision, config.projector
+    return {
+        "architectures": [config.family.architecture],
+        "model_type": config.family.model_type,
+        "text_config": config.llm.to_hf(),
+        "vision_config": vision.to_hf(),
+        "image_token_index": config.image_token_id,
+        "image_seq_length": vision.tokens_per_image,
+        "vision_feature_layer": vision.feature_layer,
+        "vision_feature_select_strategy": vision.feature_select_strategy,
+        "multimodal_projector_bias": projector.bias,
+        "projector_hidden_act": projector.hidden_act,
+        "tie_word_embeddings": config.llm.tie_word_embeddings,
+    }
+
+
+FAMILIES: dict[str, Family] = {
+    "qwen2_5_vit": Family(
+        name="Qwen2.5-VL",
+        model_type="qwen2_5_vl",
+        architecture="Qwen2_5_VLForConditionalGeneration",
+        vision_model_types=("qwen2_5_vl_vision", "qwen2_5_vl"),
+        projector="none",
+        mrope=True,
+        fields={
+            "image_token_id": 151655,
+            "video_token_id": 151656,
+            "vision_start_token_id": 151652,
+            "vision_end_token_id": 151653,
+            "tokens_per_second": 2,
+        },
+        from_hf=_qwen2_5_vl_from_hf,
+        to_hf=_qwen2_5_vl_to_hf,
+    ),
+    "siglip": Family(
+        name="LLaVA",
+        model_type="llava",
+        architecture="LlavaForConditionalGeneration",
+        vision_model_types=("siglip_vision_model",),
+        projector="mlp",
+        mrope=False,
+        fields={"image_token_id": None},
+        from_hf=_llava_from_hf,
+        to_hf=_llava_to_hf,
+    ),
+}
+"""The composed architectures by ``vision.type``."""

@@ -1,25 +1,32 @@
-"""Hugging Face interchange of whole Qwen2.5-VL checkpoints (``config.json`` and safetensors).
+"""Hugging Face interchange of whole VLM checkpoints (``config.json`` and safetensors): Qwen2.5-VL and LLaVA.
 
-Tensor names, by layout (both are read; the transformers 5 one is written)::
+Tensor names by family (:data:`LAYOUTS`; every listed layout is read, the first one written)::
 
-    ours                 transformers 5              published / transformers 4
-    vision.*             model.visual.*              visual.*
-    llm.model.*          model.language_model.*      model.*
-    llm.lm_head.weight   lm_head.weight              lm_head.weight      (absent when tie_word_embeddings)
+    ours                 Qwen2.5-VL: transformers 5 | published   LLaVA: published | transformers 5 in memory
+    vision.*             model.visual.*             | visual.*     vision_tower.vision_model.* | model.vision_tower.*
+                                                                   (and vision_tower.*, as transformers 5 saves)
+    projector.*          -                                         multi_modal_projector.* | model.multi_modal_projector.*
+    llm.model.*          model.language_model.*     | model.*      language_model.model.* | model.language_model.*
+    llm.lm_head.weight   lm_head.weight                            language_model.lm_head.weight | lm_head.weight
+
+``lm_head.weight`` is absent when ``tie_word_embeddings``. LLaVA is written in the published layout, which every
+transformers version loads (transformers 5 maps it onto its own). Rotary ``inv_freq`` buffers and SigLIP's
+attention-pooling head (``vision.head.*``, unused by LLaVA) are skipped on load.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from forge_lightning.modules.llm.hf import (
-    TIED_HEAD_KEY,
     export_tensors,
     generation_files,
     load_hf_state_dict,
@@ -29,45 +36,112 @@ from forge_lightning.modules.llm.hf import (
 )
 from forge_lightning.modules.vlm.config import VLMConfig
 from forge_lightning.modules.vlm.model import VisionLanguageModel
-from forge_lightning.modules.vlm.qwen2_5_vit import HF_PREFIXES, load_hf_vision_weights, to_hf_state_dict
+from forge_lightning.modules.vlm.weights import load_exact
 
-TEXT_PREFIX = "model.language_model."
-LEGACY_TEXT_PREFIX = "model."
+_COMPONENTS = ("vision.", "projector.", "llm.")
 
 
-def llm_state(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """The language model's entries of a Qwen2.5-VL state dict, named as in ``DecoderLM`` (``model.*``,
-    ``lm_head.weight``); the vision entries are left out."""
-    nested = any(k.startswith(TEXT_PREFIX) for k in state)
-    out = {}
-    for key, tensor in state.items():
-        if key.startswith(HF_PREFIXES) or key.endswith("rotary_emb.inv_freq"):
-            continue
-        if nested and key.startswith(TEXT_PREFIX):
-            key = LEGACY_TEXT_PREFIX + key[len(TEXT_PREFIX) :]
-        out[key] = tensor
-    return out
+@dataclass(frozen=True)
+class Layout:
+    """How one composed Hugging Face architecture names its tensors.
+
+    Args:
+        prefixes: each of our prefixes (``vision.``, ``projector.``, ``llm.model.``, ``llm.lm_head.``) and the
+            Hugging Face prefixes that stand for it; the first is written. The longest matching prefix wins.
+        skipped: patterns (``re.search``, on our names) of checkpoint tensors that are never loaded.
+    """
+
+    prefixes: Mapping[str, tuple[str, ...]]
+    skipped: tuple[str, ...] = ()
+
+    def to_ours(self, state: Mapping[str, Tensor], source: str) -> dict[str, Tensor]:
+        """``state`` under our names, the skipped tensors left out.
+
+        Raises:
+            ValueError: tensors that belong to no component, or one tensor under two layouts' names (the message
+                names up to 8).
+        """
+        rules = sorted(
+            ((hf, ours) for ours, hfs in self.prefixes.items() for hf in hfs), key=lambda r: -len(r[0])
+        )
+        out, origin, strays, twice = {}, {}, [], []
+        for key, tensor in state.items():
+            rule = next(((hf, ours) for hf, ours in rules if key.startswith(hf)), None)
+            if rule is None:
+                strays.append(key)
+                continue
+            name = rule[1] + key[len(rule[0]) :]
+            if any(re.search(pattern, name) for pattern in self.skipped):
+                continue
+            if name in out:
+                twice.append(f"{origin[name]} and {key}")
+            out[name], origin[name] = tensor, key
+        if strays:
+            raise ValueError(
+                f"{source} holds tensors outside the vision encoder, projector and language model: "
+                f"{', '.join(sorted(strays)[:8])}"
+            )
+        if twice:
+            raise ValueError(f"{source} holds tensors twice, in two layouts: {', '.join(sorted(twice)[:8])}")
+        return out
+
+    def to_hf(self, name: str) -> str:
+        """The Hugging Face name of our tensor ``name``."""
+        ours = next(p for p in sorted(self.prefixes, key=len, reverse=True) if name.startswith(p))
+        return self.prefixes[ours][0] + name[len(ours) :]
+
+
+LAYOUTS: dict[str, Layout] = {
+    "qwen2_5_vl": Layout(
+        prefixes={
+            "vision.": ("model.visual.", "visual."),
+            "llm.model.": ("model.language_model.", "model."),
+            "llm.lm_head.": ("lm_head.",),
+        },
+        skipped=(r"inv_freq$",),
+    ),
+    "llava": Layout(
+        prefixes={
+            "vision.": (
+                "vision_tower.vision_model.",
+                "vision_tower.",
+                "model.vision_tower.vision_model.",
+                "model.vision_tower.",
+            ),
+            "projector.": ("multi_modal_projector.", "model.multi_modal_projector."),
+            "llm.model.": ("language_model.model.", "model.language_model.", "language_model."),
+            "llm.lm_head.": ("language_model.lm_head.", "lm_head."),
+        },
+        skipped=(r"inv_freq$", r"^vision\.head\."),
+    ),
+}
+"""Tensor names by ``model_type``."""
 
 
 def from_pretrained(path: str | os.PathLike[str], *, attention_backend: str = "auto") -> VisionLanguageModel:
     """A :class:`VisionLanguageModel` built from the ``config.json`` in ``path`` and filled with its weights.
 
     Args:
-        path: a Qwen2.5-VL checkpoint directory (``model.safetensors`` or a sharded index).
+        path: a Qwen2.5-VL or LLaVA checkpoint directory (``model.safetensors`` or a sharded index).
         attention_backend: see :class:`VisionLanguageModel`.
 
     Raises:
         FileNotFoundError: no ``config.json`` or weights in ``path``.
-        ValueError: the config is not Qwen2.5-VL, or tensors are missing, unexpected or of the wrong shape.
+        ValueError: the config is of no supported family, or tensors are missing, unexpected or of the wrong
+            shape.
     """
     path = Path(path)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}")
     config = VLMConfig.from_hf(json.loads((path / "config.json").read_text()))
     model = VisionLanguageModel(config, attention_backend=attention_backend)
-    state = load_hf_state_dict(path)
-    load_hf_vision_weights(model.vision, state)
-    load_hf_weights(model.llm, llm_state(state), source=f"checkpoint {path} (language model)")
+    state = LAYOUTS[config.family.model_type].to_ours(load_hf_state_dict(path), f"checkpoint {path}")
+    parts = {c: {k[len(c) :]: v for k, v in state.items() if k.startswith(c)} for c in _COMPONENTS}
+    load_exact(model.vision, parts["vision."], what=f"the vision weights of {path}")
+    load_exact(
+        model.projector, parts["projector."], what=f"the projector weights of {path}", owner="projector"
+    )
+    load_hf_weights(model.llm, parts["llm."], source=f"checkpoint {path} (language model)")
     return model
 
 
@@ -80,7 +154,8 @@ def save_pretrained(
     *,
     overwrite: bool = False,
 ) -> Path:
-    """Export ``model`` as a transformers 5 Qwen2.5-VL checkpoint directory (atomically, with a manifest).
+    """Export ``model`` as a checkpoint directory of its family (atomically, with a manifest) that transformers'
+    ``Qwen2_5_VLForConditionalGeneration`` / ``LlavaForConditionalGeneration`` loads.
 
     Args:
         model: the model to export (full, unsharded tensors on any device).
@@ -92,20 +167,28 @@ def save_pretrained(
 
     Returns:
         The output directory.
+
+    Raises:
+        ValueError: the config cannot be written as its family's checkpoint (see :meth:`VLMConfig.to_hf`).
     """
     refuse_existing(Path(out_dir), overwrite)  # before the tensors are copied to the host
-    vision = {
-        k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).detach().cpu().contiguous()
-        for k, v in to_hf_state_dict(model.vision, prefix=HF_PREFIXES[0]).items()
+    hf_config = config.to_hf()
+    layout = LAYOUTS[config.family.model_type]
+    tensors = {
+        layout.to_hf(prefix + k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+        .detach()
+        .cpu()
+        .contiguous()
+        for prefix, module in (("vision.", model.vision), ("projector.", model.projector))
+        for k, v in module.state_dict().items()
     }
     text = {
-        (k if k == TIED_HEAD_KEY else TEXT_PREFIX + k.removeprefix(LEGACY_TEXT_PREFIX)): v
+        layout.to_hf("llm." + k): v
         for k, v in export_tensors(model.llm.state_dict(), config.llm, dtype).items()
     }
-    hf_config = config.to_hf()
     saved_dtype = str(next(iter(text.values())).dtype).removeprefix("torch.")
     hf_config["torch_dtype"] = hf_config["dtype"] = hf_config["text_config"]["dtype"] = saved_dtype
     files = {"config.json": hf_config, **generation_files(hf_config["text_config"])}
     return write_hf_checkpoint(
-        out_dir, {**vision, **text}, files, max_shard_size=max_shard_size, overwrite=overwrite
+        out_dir, {**tensors, **text}, files, max_shard_size=max_shard_size, overwrite=overwrite
     )

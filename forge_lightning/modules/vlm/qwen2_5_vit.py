@@ -43,6 +43,7 @@ from forge_lightning.modules.layers import (
 )
 from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS
 from forge_lightning.modules.vlm.patches import check_grids, frame_ids, patch_positions, window_order
+from forge_lightning.modules.vlm.weights import load_exact
 
 NORM_EPS = 1e-6
 """Epsilon of every RMSNorm of the encoder (fixed by the architecture, not in ``config.json``)."""
@@ -472,17 +473,5 @@ def load_hf_vision_weights(
         ValueError: the state dict has no vision weights, or they do not match the encoder's parameters (missing,
             unexpected or differently shaped entries; the message names them).
     """
-    weights = from_hf_state_dict(state)
-    own = encoder.state_dict()
-    missing, unexpected = sorted(own.keys() - weights.keys()), sorted(weights.keys() - own.keys())
-    reshaped = [
-        f"{k} {list(weights[k].shape)} (encoder: {list(own[k].shape)})"
-        for k in sorted(own.keys() & weights.keys())
-        if weights[k].shape != own[k].shape
-    ]
-    if missing or unexpected or reshaped:
-        problems = {"missing": missing, "unexpected": unexpected, "of another shape": reshaped}
-        detail = "; ".join(f"{what}: {', '.join(keys[:8])}" for what, keys in problems.items() if keys)
-        raise ValueError(f"the vision weights do not fit the encoder's config ({detail})")
-    encoder.load_state_dict(weights)
+    load_exact(encoder, from_hf_state_dict(state))
     return encoder

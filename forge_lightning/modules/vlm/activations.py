@@ -1,0 +1,24 @@
+"""Activations named as in Hugging Face ``config.json`` files (``hidden_act``, ``projector_hidden_act``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
+    "gelu": nn.GELU,  # the exact (erf) GELU
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+}
+"""Activation modules by their Hugging Face name."""
+
+
+def activation(name: str, field: str) -> nn.Module:
+    """The activation called ``name`` in a config; ``field`` names the config field in the error.
+
+    Raises:
+        ValueError: ``name`` is not in :data:`ACTIVATIONS`.
+    """
+    if name not in ACTIVATIONS:
+        raise ValueError(f"{field} ({name!r}) is not supported; supported: {', '.join(ACTIVATIONS)}")
+    return ACTIVATIONS[name]()
