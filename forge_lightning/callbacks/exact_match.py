@@ -69,7 +69,7 @@ class GenerationMetric(Callback):
         by_length: dict[int, list[Any]] = defaultdict(list)
         alone = []  # prompts with inputs of their own (images) are decoded one at a time
         for reference in references:
-            if getattr(reference, "inputs", None):
+            if reference.inputs:
                 alone.append([reference])
             else:
                 by_length[len(reference.prompt_ids)].append(reference)
@@ -100,7 +100,7 @@ class GenerationMetric(Callback):
                     generate(torch.zeros((1, 1), dtype=torch.long, device=device))
                     continue
                 prompts = torch.tensor([r.prompt_ids for r in chunks[i]], device=device)
-                inputs = getattr(chunks[i][0], "inputs", None) or {}
+                inputs = chunks[i][0].inputs or {}
                 out = generate(prompts, **{k: v.to(device) for k, v in inputs.items()})
                 for reference, row in zip(chunks[i], out[:, prompts.shape[1] :].tolist()):
                     answer = datamodule.decode(_until_stop(row, stop))
