@@ -78,7 +78,9 @@ def measure(args: argparse.Namespace, mode: str) -> dict:
     """One run: the step clocks, turned into the table's numbers."""
     start = time.time()
     cmd = [sys.executable, "-m", "forge_lightning", *_child_args(args, mode)]
-    path = os.pathsep.join(filter(None, [str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH")]))
+    path = os.pathsep.join(
+        filter(None, [str(Path(__file__).parent), str(REPO), os.environ.get("PYTHONPATH")])
+    )
     env = {"PYTHONPATH": path, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.run(
         cmd, capture_output=True, text=True, env={**os.environ, **env}, timeout=args.timeout
