@@ -35,16 +35,12 @@ _VLM_WORDS = (
 def write_vlm_tokenizer(directory, *, image_tokens=VLM_SPECIAL_TOKENS, template="chatml"):
     """A small byte-level BPE chat tokenizer in ``directory`` with a built-in chat template and ``image_tokens`` as
     special tokens; returns the directory."""
-    from tokenizers import AddedToken, Tokenizer
-
     from forge_lightning.datamodules.chat import add_chat_template
-    from forge_lightning.datamodules.tokenizer import train_bpe_tokenizer
+    from forge_lightning.datamodules.tokenizer import add_special_tokens, train_bpe_tokenizer
 
     train_bpe_tokenizer([_VLM_WORDS * 4] * 8, 400, directory)
     add_chat_template(directory, template)
-    backend = Tokenizer.from_file(str(directory / "tokenizer.json"))
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in image_tokens])
-    backend.save(str(directory / "tokenizer.json"))
+    add_special_tokens(directory, image_tokens)
     return directory
 
 

@@ -20,7 +20,7 @@ Nothing here imports a family or a strategy; ``strategies/`` imports no family (
 ways).
 """
 
-from forge_lightning.contracts.data import STEP_TOKENS, TextData
+from forge_lightning.contracts.data import STEP_TOKENS, TextData, VisionTextData
 from forge_lightning.contracts.megatron import (
     CP_COMM_TYPES,
     LOSS_AND_COUNT,
@@ -93,6 +93,7 @@ __all__ = [
     "TextData",
     "TrainedParameters",
     "TunedModule",
+    "VisionTextData",
     "common_divisors",
     "complete_parameter_gather",
     "data_parallel",

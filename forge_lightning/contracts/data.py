@@ -31,3 +31,14 @@ class TextData(Protocol):
     def vocab_size(self) -> int:
         """The tokenizer's vocabulary size."""
         ...
+
+
+@runtime_checkable
+class VisionTextData(TextData, Protocol):
+    """A datamodule of token sequences with images: its tokenizer's ids of the image tokens, which a
+    vision-language module's config must agree with."""
+
+    @property
+    def special_token_ids(self) -> dict[str, int]:
+        """The image tokens' ids by the model config's field name (``image_token_id``, ...)."""
+        ...

@@ -190,6 +190,19 @@ def train_bpe_tokenizer(
     return TextTokenizer(tokenizer, eos_token_id=tokenizer.token_to_id(ENDOFTEXT), name=str(output_dir))
 
 
+def add_special_tokens(tokenizer_dir: str | os.PathLike, tokens: Iterable[str]) -> None:
+    """Add ``tokens`` to the ``tokenizer.json`` in ``tokenizer_dir`` as special tokens (never split, never
+    normalised), e.g. a vision-language model's image placeholders; tokens it already has keep their ids."""
+    from tokenizers import AddedToken, Tokenizer
+
+    path = Path(tokenizer_dir) / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {tokenizer_dir}")
+    backend = Tokenizer.from_file(str(path))
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in tokens])
+    backend.save(str(path))
+
+
 def _iter_training_texts(files_or_texts: Iterable[str | os.PathLike]) -> Iterator[str]:
     for item in files_or_texts:
         if isinstance(item, str):

@@ -10,11 +10,12 @@ onto the ``transformers`` model, and :func:`merge_adapter` folds one back into p
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+from torch import Tensor, nn
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TIED = ("embed_tokens", "lm_head")
@@ -122,3 +123,37 @@ def merge_adapter(model: nn.Module, adapter_dir: str | os.PathLike[str]) -> nn.M
     if not (adapter_dir / "adapter_config.json").is_file():
         raise FileNotFoundError(f"no adapter_config.json in {adapter_dir}")
     return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
+
+
+def merged_state_dict(
+    state: Mapping[str, Tensor], config: LoRAConfig, adapter: str = "default"
+) -> dict[str, Tensor]:
+    """The plain state dict of a model with LoRA adapters injected (:func:`apply_lora`), the adapters folded in:
+    ``W + (alpha / rank) * B @ A`` under each adapted layer's own name, the trained copy of each
+    ``modules_to_save`` module in place of the original.
+
+    Works on a full state dict alone (e.g. gathered from a sharded model), without the modules.
+
+    Args:
+        state: the adapted model's state dict (``<layer>.base_layer.*``, ``<layer>.lora_A.<adapter>.weight``, ...).
+        config: the adapters' settings (their scale).
+        adapter: the adapter's name in peft.
+    """
+    scale = config.alpha / config.rank
+    lora = (f".lora_A.{adapter}.", f".lora_B.{adapter}.")
+    merged: dict[str, Tensor] = {}
+    for key, value in state.items():
+        if any(part in key for part in lora) or ".original_module." in key:
+            continue
+        if ".base_layer." in key:
+            layer, name = key.split(".base_layer.")
+            if name == "weight":
+                a = state[f"{layer}.lora_A.{adapter}.weight"].float()
+                b = state[f"{layer}.lora_B.{adapter}.weight"].float()
+                value = (value.float() + scale * (b @ a)).to(value.dtype)
+            merged[f"{layer}.{name}"] = value
+        elif f".modules_to_save.{adapter}." in key:
+            merged[key.replace(f".modules_to_save.{adapter}.", ".")] = value
+        else:
+            merged[key] = value
+    return merged

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -65,11 +67,6 @@ def param_groups(model: nn.Module, weight_decay: float, decay_all: bool = False)
 _IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
 
 
-def _fused_supported(model: nn.Module) -> bool:
-    devices = {p.device.type for p in model.parameters() if p.requires_grad}
-    return devices == {"cuda"}
-
-
 def build_optimizer(
     model: nn.Module, config: OptimizerConfig, *, implementation: str = "auto"
 ) -> torch.optim.Optimizer:
@@ -84,12 +81,53 @@ def build_optimizer(
     groups = param_groups(model, config.weight_decay, config.decay_norms_biases_embeddings)
     if not groups:
         raise ValueError("the model has no trainable parameters: check which components are frozen")
+    return optimizer_for_groups(groups, config, implementation=implementation)
+
+
+def component_param_groups(
+    components: Iterable[Any], config: OptimizerConfig, learning_rates: Mapping[str, float] | None = None
+) -> list[dict[str, Any]]:
+    """Parameter groups per trainable component of a parallel plan: its decayed matrices and the rest, each named
+    ``<component>/decay`` or ``<component>/no_decay``, with the component's own learning rate.
+
+    Args:
+        components: the plan's :class:`~forge_lightning.contracts.Component` s (frozen ones are left out).
+        config: optimizer settings (weight decay, the default learning rate).
+        learning_rates: peak learning rate by component name (others use ``config.lr``).
+
+    Raises:
+        ValueError: no component has a trainable parameter.
+    """
+    rates = dict(learning_rates or {})
+    groups, names = [], []
+    for comp in components:
+        names.append(comp.name)
+        if comp.frozen:
+            continue
+        lr = rates.get(comp.name, config.lr)
+        # Split with a unit decay so the two groups stay distinguishable when weight_decay is 0.
+        for group in param_groups(comp.module, 1.0, config.decay_norms_biases_embeddings):
+            decayed = group["weight_decay"] > 0
+            name = f"{comp.name}/{'decay' if decayed else 'no_decay'}"
+            wd = config.weight_decay if decayed else 0.0
+            groups.append({"params": group["params"], "weight_decay": wd, "lr": lr, "name": name})
+    if not groups:
+        raise ValueError(f"no component of {names} has a trainable parameter: nothing to train")
+    return groups
+
+
+def optimizer_for_groups(
+    groups: list[dict[str, Any]], config: OptimizerConfig, *, implementation: str = "auto"
+) -> torch.optim.Optimizer:
+    """The optimizer of ``config.name`` over parameter ``groups`` (see :func:`build_optimizer` for
+    ``implementation``); a group's own ``lr`` / ``weight_decay`` take precedence over ``config``'s."""
     if config.name == "sgd":
         return torch.optim.SGD(groups, lr=config.lr, momentum=config.momentum)
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(f"optimizer implementation ({implementation!r}) must be one of {_IMPLEMENTATIONS}")
     if implementation == "auto":
-        implementation = "fused" if _fused_supported(model) else "foreach"
+        devices = {p.device.type for g in groups for p in g["params"]}
+        implementation = "fused" if devices == {"cuda"} else "foreach"
     kwargs = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps}
     if implementation == "for_loop":
         kwargs["foreach"] = False

@@ -5,7 +5,8 @@ documents into a Megatron indexed dataset (``OUT.bin`` / ``OUT.idx``). ``forge-d
 --vocab-size N --output DIR`` trains a byte-level BPE tokenizer. ``forge-data quickstart --output DIR`` builds
 the quick-start data (tokenizer + dataset) from the Python standard library's own sources. ``forge-data sft --check
 FILE --tokenizer DIR [--template NAME] [--num N]`` prints rendered chat samples with the trained tokens highlighted.
-``forge-data sft-quickstart --output DIR`` writes the fine-tuning quick start's chat data and tokenizer. Later
+``forge-data sft-quickstart --output DIR`` writes the fine-tuning quick start's chat data and tokenizer;
+``forge-data vlm-quickstart --output DIR`` the vision-language one's images, questions and tokenizer. Later
 subcommands plug in as one function each in ``COMMANDS``.
 
 Inputs are ``.jsonl`` files (one document per line, text under ``--json-key``), ``.txt`` files (one document
@@ -586,6 +587,40 @@ def sft_quickstart(args: argparse.Namespace) -> None:
     build_sft_quickstart(args.output, num_train=args.num_train, num_val=args.num_val, seed=args.seed)
 
 
+def build_vlm_quickstart(
+    output_dir: str | os.PathLike, *, num_train: int = 6000, num_val: int = 200, seed: int = 0
+) -> dict:
+    """Write the vision-language quick start's data: coloured-shape boards with one-word questions (LLaVA JSON
+    lines + PNG images, see :mod:`forge_lightning.datamodules.vlm.shapes`) and a ChatML tokenizer with the
+    ``<image>`` placeholder.
+
+    Returns:
+        Sizes and paths of what was written.
+    """
+    from forge_lightning.datamodules.chat import add_chat_template
+    from forge_lightning.datamodules.tokenizer import add_special_tokens
+    from forge_lightning.datamodules.vlm.shapes import IMAGE_TOKEN, vocabulary_text, write_shapes_dataset
+
+    output = Path(output_dir)
+    record = write_shapes_dataset(output, num_train=num_train, num_val=num_val, seed=seed)
+    tokenizer = train_bpe_tokenizer(
+        [vocabulary_text()] * 8, 320, output / QUICKSTART_TOKENIZER, min_frequency=1
+    )
+    add_chat_template(output / QUICKSTART_TOKENIZER, "chatml")
+    add_special_tokens(output / QUICKSTART_TOKENIZER, [IMAGE_TOKEN])
+    record["tokenizer_vocab_size"] = tokenizer.vocab_size + 3
+    console.print(
+        f"vlm quick-start data: {record['train']} train / {record['val']} held-out questions on "
+        f"{record['image_size']}x{record['image_size']} boards and a ChatML tokenizer in {output}"
+    )
+    return record
+
+
+def vlm_quickstart(args: argparse.Namespace) -> None:
+    """Write the vision-language quick-start data."""
+    build_vlm_quickstart(args.output, num_train=args.num_train, num_val=args.num_val, seed=args.seed)
+
+
 def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
@@ -658,6 +693,17 @@ def _add_sft(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=sft_check)
 
 
+def _add_vlm_quickstart(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "vlm-quickstart", help="coloured-shape visual QA data + ChatML tokenizer for the VLM quick start"
+    )
+    p.add_argument("--output", type=Path, default=Path("data/vlm_quickstart"))
+    p.add_argument("--num-train", type=_positive_int, default=6000)
+    p.add_argument("--num-val", type=_positive_int, default=200)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=vlm_quickstart)
+
+
 def _add_sft_quickstart(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sft-quickstart", help="unit-conversion chat data + ChatML tokenizer for the SFT quick start"
@@ -675,6 +721,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_quickstart,
     _add_sft,
     _add_sft_quickstart,
+    _add_vlm_quickstart,
     lerobot_data.add_commands,
 ]
 

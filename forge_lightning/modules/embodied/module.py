@@ -31,7 +31,13 @@ from forge_lightning.modules.embodied.config import Pi05Config
 from forge_lightning.modules.embodied.model import Pi05, Pi05Inputs
 from forge_lightning.modules.embodied.prompt import PromptTokenizer, build_prompts
 from forge_lightning.modules.embodied.siglip import preprocess_images
-from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_scheduler, param_groups
+from forge_lightning.optim import (
+    OptimizerConfig,
+    SchedulerConfig,
+    build_scheduler,
+    component_param_groups,
+    optimizer_for_groups,
+)
 from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.performance import PerformanceConfig, configure_performance, resolve
 
@@ -157,33 +163,14 @@ class Pi05Policy(UnscaledGradientClipping, pl.LightningModule):
 
     def optimizer_groups(self) -> list[dict[str, Any]]:
         """Parameter groups per trainable component (decayed matrices / the rest), each with its learning rate."""
-        cfg = self.optimizer_config
-        groups = []
-        for comp in self.parallel_plan():
-            if comp.frozen:
-                continue
-            lr = self.learning_rates.get(comp.name, cfg.lr)
-            # Split with a unit decay so the two groups stay distinguishable when weight_decay is 0.
-            for group in param_groups(comp.module, 1.0, cfg.decay_norms_biases_embeddings):
-                decayed = group["weight_decay"] > 0
-                name = f"{comp.name}/{'decay' if decayed else 'no_decay'}"
-                wd = cfg.weight_decay if decayed else 0.0
-                groups.append({"params": group["params"], "weight_decay": wd, "lr": lr, "name": name})
-        if not groups:
-            raise ValueError(f"every component is frozen ({self.freeze}): nothing to train")
-        return groups
+        return component_param_groups(self.parallel_plan(), self.optimizer_config, self.learning_rates)
 
     @override
     def configure_optimizers(self) -> dict[str, Any]:
-        cfg = self.optimizer_config
-        groups = self.optimizer_groups()
-        if cfg.name == "sgd":
-            optimizer: torch.optim.Optimizer = torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-        else:
-            implementation = resolve(self.performance, self.device).optimizer
-            kwargs = {"foreach": False} if implementation == "for_loop" else {implementation: True}
-            cls = torch.optim.AdamW if cfg.name == "adamw" else torch.optim.Adam
-            optimizer = cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+        implementation = resolve(self.performance, self.device).optimizer
+        optimizer = optimizer_for_groups(
+            self.optimizer_groups(), self.optimizer_config, implementation=implementation
+        )
         total = self.scheduler_config.total_steps or int(self.trainer.estimated_stepping_batches)
         scheduler = build_scheduler(optimizer, self.scheduler_config, total)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from forge_lightning.modules.layers.attention import KVCache
 from forge_lightning.modules.llm.model import DecoderLM
+
+Prefill = Callable[[list[KVCache]], Tensor]
+"""Runs the prompt into the empty caches and returns its final hidden states ``[B, S, hidden]``."""
 
 
 @torch.no_grad()
@@ -21,6 +25,8 @@ def generate(
     top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    prefill: Prefill | None = None,
+    position_deltas: Tensor | None = None,
 ) -> Tensor:
     """Continue ``input_ids`` by up to ``max_new_tokens`` tokens (greedy when ``temperature == 0``).
 
@@ -37,6 +43,10 @@ def generate(
         top_p: sample only from the smallest set of tokens whose probability reaches ``top_p`` (nucleus).
         eos_token_id: token id(s) that end a sequence.
         generator: random generator for sampling (on the model's device), for reproducible draws.
+        prefill: runs the prompt instead of ``model.hidden_states(input_ids)`` (a vision-language model puts image
+            features into the prompt's embeddings); ``input_ids`` is still the prompt returned.
+        position_deltas: ``[B, 1]`` added to each new token's position (the cached length): the rope deltas of a
+            prompt whose multimodal positions advance slower than its tokens.
 
     Returns:
         ``[B, S + n]`` token ids, the prompt followed by ``n <= max_new_tokens`` new tokens.
@@ -47,7 +57,15 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        return _decode(model, input_ids, max_new_tokens, temperature, top_k, top_p, eos_token_id, generator)
+        return _decode(
+            model,
+            input_ids,
+            max_new_tokens,
+            (temperature, top_k, top_p, generator),
+            eos_token_id,
+            prefill,
+            position_deltas,
+        )
     finally:
         model.train(was_training)
 
@@ -56,21 +74,27 @@ def _decode(
     model: DecoderLM,
     input_ids: Tensor,
     max_new_tokens: int,
-    temperature: float,
-    top_k: int | None,
-    top_p: float | None,
+    sampling: tuple[float, int | None, float | None, torch.Generator | None],
     eos_token_id: int | Sequence[int] | None,
-    generator: torch.Generator | None,
+    prefill: Prefill | None,
+    position_deltas: Tensor | None,
 ) -> Tensor:
     batch_size, prompt_len = input_ids.shape
     kv_cache = model.init_kv_cache(batch_size, prompt_len + max_new_tokens, device=input_ids.device)
     eos = None if eos_token_id is None else torch.tensor(eos_token_id, device=input_ids.device).flatten()
     finished = torch.zeros(batch_size, dtype=torch.bool, device=input_ids.device)
     tokens, step_ids = [input_ids], input_ids
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         # Only the last position's logits are needed: project that hidden state alone.
-        hidden_BD = model.hidden_states(step_ids, kv_cache=kv_cache)[:, -1]
-        next_B = sample_next_token(model.lm_head(hidden_BD).float(), temperature, top_k, top_p, generator)
+        if step == 0 and prefill is not None:
+            hidden_BD = prefill(kv_cache)[:, -1]
+        else:
+            positions = None
+            if position_deltas is not None:
+                positions = kv_cache[0].length + torch.arange(step_ids.shape[1], device=step_ids.device)
+                positions = positions[None] + position_deltas.to(step_ids.device)  # [B, S]
+            hidden_BD = model.hidden_states(step_ids, positions, kv_cache=kv_cache)[:, -1]
+        next_B = sample_next_token(model.lm_head(hidden_BD).float(), *sampling)
         if eos is not None:
             next_B = torch.where(finished, eos[0], next_B)
             finished |= torch.isin(next_B, eos)

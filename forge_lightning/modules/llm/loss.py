@@ -14,10 +14,14 @@ from the final hidden states and the output weight through the fused linear + cr
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 from torch import Tensor
 
 from forge_lightning.kernels import fused_linear_cross_entropy
+
+if TYPE_CHECKING:
+    from forge_lightning.performance import ResolvedPerformance
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -37,6 +41,21 @@ class LMLoss:
     backend: str = "auto"
     fp8: bool = False
     fast_accum: bool = False
+
+    @classmethod
+    def for_run(
+        cls, performance: ResolvedPerformance, *, ignore_index: int = -100, z_loss: float = 0.0
+    ) -> LMLoss:
+        """The loss with the run's resolved kernel settings (``performance.kernels.cross_entropy``,
+        ``performance.fp8.lm_head`` / ``fast_accum``)."""
+        fp8 = performance.fp8
+        return cls(
+            ignore_index=ignore_index,
+            z_loss=z_loss,
+            backend=performance.kernels["cross_entropy"],
+            fp8=fp8 is not None and fp8.lm_head,
+            fast_accum=fp8 is not None and fp8.fast_accum,
+        )
 
     def __call__(self, hidden_NH: Tensor, weight_VH: Tensor, labels_N: Tensor) -> tuple[Tensor, Tensor]:
         """``(sum of the trainable tokens' losses, their count)`` from hidden states ``[N, H]``, the output weight

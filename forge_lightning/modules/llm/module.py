@@ -220,14 +220,8 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     def lm_loss(self, device: torch.device) -> LMLoss:
         """The loss with the kernel settings resolved for ``device`` (``performance.kernels.cross_entropy``,
         ``performance.fp8.lm_head`` / ``fast_accum``)."""
-        performance = self._resolved_performance(device)
-        fp8 = performance.fp8
-        return LMLoss(
-            ignore_index=self.ignore_index,
-            z_loss=self.z_loss,
-            backend=performance.kernels["cross_entropy"],
-            fp8=fp8 is not None and fp8.lm_head,
-            fast_accum=fp8 is not None and fp8.fast_accum,
+        return LMLoss.for_run(
+            self._resolved_performance(device), ignore_index=self.ignore_index, z_loss=self.z_loss
         )
 
     # ----- forward and loss ----------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """Vision-language models: the composed model (:mod:`.model`, :mod:`.config`, Hugging Face interchange in
 :mod:`.hf`, composition from component checkpoints in :mod:`.compose`), vision encoders (:mod:`.qwen2_5_vit`,
 :mod:`.siglip`) and how each plugs in (:mod:`.towers`), projectors (:mod:`.projector`), the patch-grid layout the
-Qwen encoder uses (:mod:`.patches`).
+Qwen encoder uses (:mod:`.patches`); the LightningModule that trains them (:mod:`.module`).
 
 Public names are imported lazily, so importing one submodule (e.g. ``positions``) does not import the others.
 """
@@ -21,12 +21,15 @@ _EXPORTS = {
     "SiglipVisionConfig": "siglip",
     "SiglipVisionTransformer": "siglip",
     "VisionLanguageModel": "model",
+    "VisionLanguageModule": "module",
+    "ComponentSettings": "module",
     "build_vlm": "compose",
     "from_pretrained": "hf",
     "save_pretrained": "hf",
 }
 
 __all__ = [
+    "ComponentSettings",
     "FAMILIES",
     "MLPProjectorConfig",
     "MultiModalProjector",
@@ -36,6 +39,7 @@ __all__ = [
     "VISION_TYPES",
     "VLMConfig",
     "VisionLanguageModel",
+    "VisionLanguageModule",
     "build_vlm",
     "from_pretrained",
     "save_pretrained",
@@ -46,6 +50,7 @@ if TYPE_CHECKING:
     from forge_lightning.modules.vlm.config import FAMILIES, VISION_TYPES, VLMConfig
     from forge_lightning.modules.vlm.hf import from_pretrained, save_pretrained
     from forge_lightning.modules.vlm.model import VisionLanguageModel
+    from forge_lightning.modules.vlm.module import ComponentSettings, VisionLanguageModule
     from forge_lightning.modules.vlm.projector import PROJECTORS, MLPProjectorConfig, MultiModalProjector
     from forge_lightning.modules.vlm.siglip import SiglipVisionConfig, SiglipVisionTransformer
 

@@ -77,8 +77,8 @@ class VLMConfig:
     Args:
         vision: the encoder's config, or a mapping with a ``type`` (a key of :data:`VISION_TYPES`, default
             ``qwen2_5_vit``) and that config's fields. Its type picks the family (see the module docstring).
-        llm: the language model's config, its fields as a mapping, or a preset name / ``config.json`` path
-            (:meth:`LLMConfig.load`). Qwen2.5-VL needs multimodal RoPE (``rope_scaling.mrope_section``), LLaVA
+        llm: the language model's config, its fields as a mapping, a Hugging Face text config (a mapping with a
+            ``model_type``), or a preset name / ``config.json`` path (:meth:`LLMConfig.load`). Qwen2.5-VL needs multimodal RoPE (``rope_scaling.mrope_section``), LLaVA
             plain RoPE.
         projector: the module that maps encoder features to the LLM width: a name in
             :data:`~forge_lightning.modules.vlm.projector.PROJECTORS`, a mapping with a ``type`` and that config's
@@ -110,7 +110,8 @@ class VLMConfig:
             family.projector if self.projector is None else self.projector, PROJECTORS, "projector"
         )
         if isinstance(self.llm, Mapping):
-            self.llm = LLMConfig(**self.llm)
+            # A Hugging Face text config (it names its model_type) or LLMConfig's own fields.
+            self.llm = LLMConfig.load(self.llm) if "model_type" in self.llm else LLMConfig(**self.llm)
         elif isinstance(self.llm, str):
             self.llm = LLMConfig.load(self.llm)
         self.projector.check_widths(self.vision.out_hidden_size, self.llm.hidden_size)

@@ -153,6 +153,7 @@ def save_pretrained(
     max_shard_size: int | str = "5GB",
     *,
     overwrite: bool = False,
+    state_dict: Mapping[str, Tensor] | None = None,
 ) -> Path:
     """Export ``model`` as a checkpoint directory of its family (atomically, with a manifest) that transformers'
     ``Qwen2_5_VLForConditionalGeneration`` / ``LlavaForConditionalGeneration`` loads.
@@ -164,6 +165,8 @@ def save_pretrained(
         dtype: cast floating tensors to this dtype; default keeps each tensor's dtype.
         max_shard_size: largest shard, in bytes or as a string (``"5GB"``, ``"500MB"``).
         overwrite: replace an existing non-empty ``out_dir``.
+        state_dict: full tensors to write instead of ``model.state_dict()`` (``vision.*``, ``projector.*``,
+            ``llm.*``: e.g. gathered from a sharded model, or with LoRA adapters merged).
 
     Returns:
         The output directory.
@@ -174,18 +177,17 @@ def save_pretrained(
     refuse_existing(Path(out_dir), overwrite)  # before the tensors are copied to the host
     hf_config = config.to_hf()
     layout = LAYOUTS[config.family.model_type]
+    state = model.state_dict() if state_dict is None else state_dict
     tensors = {
-        layout.to_hf(prefix + k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
+        layout.to_hf(k): (v.to(dtype) if dtype is not None and v.is_floating_point() else v)
         .detach()
         .cpu()
         .contiguous()
-        for prefix, module in (("vision.", model.vision), ("projector.", model.projector))
-        for k, v in module.state_dict().items()
+        for k, v in state.items()
+        if k.startswith(("vision.", "projector."))
     }
-    text = {
-        layout.to_hf("llm." + k): v
-        for k, v in export_tensors(model.llm.state_dict(), config.llm, dtype).items()
-    }
+    llm_state = {k.removeprefix("llm."): v for k, v in state.items() if k.startswith("llm.")}
+    text = {layout.to_hf("llm." + k): v for k, v in export_tensors(llm_state, config.llm, dtype).items()}
     saved_dtype = str(next(iter(text.values())).dtype).removeprefix("torch.")
     hf_config["torch_dtype"] = hf_config["dtype"] = hf_config["text_config"]["dtype"] = saved_dtype
     files = {"config.json": hf_config, **generation_files(hf_config["text_config"])}

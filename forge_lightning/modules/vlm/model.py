@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from forge_lightning.modules.layers.attention import KVCache
 from forge_lightning.modules.llm.model import DecoderLM
 from forge_lightning.modules.vlm.config import VLMConfig
 from forge_lightning.modules.vlm.towers import TOWERS
@@ -95,6 +96,7 @@ class VisionLanguageModel(nn.Module):
         video_grid_thw: Tensor | None = None,
         second_per_grid_ts: Tensor | Sequence[float] | None = None,
         image_sizes: Tensor | None = None,
+        kv_cache: list[KVCache] | None = None,
     ) -> Tensor:
         """The LLM's final hidden states ``[B, S, hidden]`` (after its last norm; the loss applies ``lm_head``).
 
@@ -110,6 +112,9 @@ class VisionLanguageModel(nn.Module):
             second_per_grid_ts: Qwen2.5-VL: seconds per temporal grid step of each video (default 1).
             image_sizes: LLaVA: ``[num_images, 2]`` as its processors return it; every SigLIP image is resized to
                 ``image_size``, so it changes nothing (accepted so that a processor's output passes whole).
+            kv_cache: the LLM's empty per-layer caches (``llm.init_kv_cache``) to prefill with this prompt for
+                generation; decoding then continues on ``llm`` at positions shifted by the rope deltas of
+                :meth:`position_ids`.
 
         Raises:
             ValueError: an argument the encoder type does not take, or the number of placeholder tokens differs from
@@ -134,7 +139,9 @@ class VisionLanguageModel(nn.Module):
             input_ids, attention_mask, image_grid_thw, video_grid_thw, second_per_grid_ts
         )
         mask_B11S = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
-        return self.llm.hidden_states(None, position_ids, inputs_embeds=x_BSD, attention_mask=mask_B11S)
+        return self.llm.hidden_states(
+            None, position_ids, inputs_embeds=x_BSD, attention_mask=mask_B11S, kv_cache=kv_cache
+        )
 
     def _check_inputs(self, **inputs: object) -> None:
         given = sorted(name for name, value in inputs.items() if value is not None)

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from forge_lightning.modules.vlm.positions import get_rope_index
 from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionTransformer
-from forge_lightning.modules.vlm.siglip import SiglipVisionTransformer
+from forge_lightning.modules.vlm.siglip import SiglipVisionTransformer, check_layers
 
 
 class VisionTower:
@@ -44,6 +44,17 @@ class VisionTower:
 
     def describe_count(self, config: Any, kind: str, pixels: Tensor, num_features: int) -> str:
         """Where ``num_features`` features of ``pixels`` come from, for the placeholder-count error."""
+        raise NotImplementedError
+
+    def blocks(self, encoder: nn.Module) -> list[nn.Module]:
+        """The encoder's repeated transformer blocks, in forward order (the unit of wrapping, checkpointing and
+        compilation)."""
+        raise NotImplementedError
+
+    def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None) -> float:
+        """Training FLOPs (forward + backward) of encoding ``pixels``: ``6 x`` the weights each patch (or merged
+        token) passes through, plus ``12 x width x length^2`` per layer and attention segment (``QK^T`` and
+        ``AV``, forward and backward, as for the LLM)."""
         raise NotImplementedError
 
     def positions(
@@ -84,6 +95,29 @@ class Qwen25VisionTower(VisionTower):
             f"{kind}_grid_thw gives {num_features} merged {kind} tokens (t * h * w / spatial_merge_size ** 2 per "
             f"{kind})"
         )
+
+    def blocks(self, encoder: nn.Module) -> list[nn.Module]:
+        return list(encoder.blocks)
+
+    def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None) -> float:
+        """Per frame, full-attention layers attend over its ``h x w`` patches and the others within windows of
+        ``window_units`` merged tokens a side (cut short at the bottom and right edges); the merger runs once
+        per merged token."""
+        c = encoder.config
+        m, units = c.spatial_merge_size, c.window_units
+        merger = sum(p.numel() for p in encoder.merger.parameters())
+        per_patch = sum(p.numel() for p in encoder.parameters()) - merger
+        num_patches = pixels.shape[0]
+        flops = 6.0 * (per_patch * num_patches + merger * num_patches / m**2)
+        full_layers = len(c.full_attention_layers)
+        window_layers = c.num_layers - full_layers
+        for t, h, w in [] if grid_thw is None else grid_thw.tolist():
+            frame = (h * w) ** 2
+            windows = sum(
+                (rows * cols * m * m) ** 2 for rows in _spans(h // m, units) for cols in _spans(w // m, units)
+            )
+            flops += 12.0 * c.hidden_size * t * (full_layers * frame + window_layers * windows)
+        return flops
 
     def positions(
         self,
@@ -126,6 +160,19 @@ class SiglipVisionTower(VisionTower):
     def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:
         return encoder(pixels).flatten(0, 1)  # [num_images * tokens_per_image, out_hidden_size]
 
+    def blocks(self, encoder: nn.Module) -> list[nn.Module]:
+        return list(encoder.encoder.layers)
+
+    def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None) -> float:
+        """Only the layers up to the deepest feature layer run; the position table is a lookup, not a matmul."""
+        c = encoder.config
+        layers = max(check_layers(c.feature_layers, c.num_layers, "vision.feature_layer"))
+        per_layer = sum(p.numel() for p in encoder.encoder.layers[0].parameters())
+        patch_embed = sum(p.numel() for p in encoder.embeddings.patch_embedding.parameters())
+        tokens = pixels.shape[0] * c.num_patches
+        flops = 6.0 * (layers * per_layer + patch_embed) * tokens
+        return flops + 12.0 * c.hidden_size * layers * c.num_patches**2 * pixels.shape[0]
+
     def describe_count(self, config: Any, kind: str, pixels: Tensor, num_features: int) -> str:
         v = config.vision
         dropped = (
@@ -151,6 +198,11 @@ class SiglipVisionTower(VisionTower):
         B, S = input_ids.shape
         positions_BS = torch.arange(S, device=input_ids.device).expand(B, S)
         return positions_BS, torch.zeros(B, 1, dtype=torch.long, device=input_ids.device)
+
+
+def _spans(length: int, size: int) -> list[int]:
+    """Lengths of the pieces of ``length`` cut every ``size`` (the last one shorter)."""
+    return [min(size, length - start) for start in range(0, length, size)]
 
 
 TOWERS: dict[str, VisionTower] = {"qwen2_5_vit": Qwen25VisionTower(), "siglip": SiglipVisionTower()}
