@@ -42,8 +42,8 @@ from forge_lightning.modules.layers import (
     init_linear,
 )
 from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS
+from forge_lightning.modules.layers.state_dict import load_exact
 from forge_lightning.modules.vlm.patches import check_grids, frame_ids, patch_positions, window_order
-from forge_lightning.modules.vlm.weights import load_exact
 
 NORM_EPS = 1e-6
 """Epsilon of every RMSNorm of the encoder (fixed by the architecture, not in ``config.json``)."""
@@ -473,5 +473,5 @@ def load_hf_vision_weights(
         ValueError: the state dict has no vision weights, or they do not match the encoder's parameters (missing,
             unexpected or differently shaped entries; the message names them).
     """
-    load_exact(encoder, from_hf_state_dict(state))
+    load_exact(encoder, from_hf_state_dict(state), what="the vision weights")
     return encoder

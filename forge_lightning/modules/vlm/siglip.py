@@ -33,8 +33,8 @@ import torch
 from torch import Tensor, nn
 
 from forge_lightning.modules.layers import attention
-from forge_lightning.modules.vlm.activations import ACTIVATIONS, activation
-from forge_lightning.modules.vlm.weights import load_exact
+from forge_lightning.modules.layers.activations import ACTIVATIONS, activation
+from forge_lightning.modules.layers.state_dict import load_exact
 
 HF_MODEL_TYPE = "siglip_vision_model"
 HF_PREFIX = "vision_model."
@@ -77,7 +77,7 @@ class SiglipVisionConfig:
         image_size: side of the square input images in pixels.
         patch_size: side of a square patch; ``(image_size // patch_size) ** 2`` tokens per image.
         in_channels: image channels (``num_channels``).
-        hidden_act: the MLP's activation (a key of :data:`~forge_lightning.modules.vlm.activations.ACTIVATIONS`).
+        hidden_act: the MLP's activation (a key of :data:`~forge_lightning.modules.layers.activations.ACTIVATIONS`).
         layer_norm_eps: epsilon of every LayerNorm.
         feature_layer: the hidden state(s) the language model gets (LLaVA's ``vision_feature_layer``): an index into
             ``[embeddings, layer 1, ..., layer num_layers]``, negative from the end, or a list of them (concatenated
