@@ -84,9 +84,11 @@ class Pi05(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise every parameter, e.g. after building on the meta device and ``to_empty``."""
-        for module in self.modules():
-            if not isinstance(module, (nn.Linear, nn.Embedding)) and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        self.vision.init_weights()  # openpi's scheme, not the one the SigLIP tower's parts own
+        for component in (self.llm, self.action_expert, self.rotary):
+            for module in component.modules():
+                if not isinstance(module, (nn.Linear, nn.Embedding)) and hasattr(module, "reset_parameters"):
+                    module.reset_parameters()
 
     # ----- prefix: observation -> keys and values -----------------------------------------------------------
     def embed_prefix(self, inputs: Pi05Inputs) -> tuple[Tensor, Tensor]:

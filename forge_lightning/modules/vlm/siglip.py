@@ -1,5 +1,6 @@
 """The SigLIP vision tower (Zhai et al. 2023, arXiv:2303.15343) as LLaVA uses it: a plain ViT over fixed-size
-images, without a class token. Its configuration and weight mapping live here too.
+images, without a class token. Its configuration and weight mapping live here too. Pi0.5's image path
+(``forge_lightning.modules.embodied.siglip``) is built on this tower as well.
 
 ::
 
@@ -356,9 +357,11 @@ class SiglipVisionTransformer(nn.Module):
 
     Args:
         config: the tower's configuration.
+        init: initialise the weights as transformers initialises SigLIP (:meth:`init_weights`); ``False`` keeps
+            torch's default initialisation, for an owner that applies a scheme of its own (Pi0.5's image path).
     """
 
-    def __init__(self, config: SiglipVisionConfig) -> None:
+    def __init__(self, config: SiglipVisionConfig, *, init: bool = True) -> None:
         super().__init__()
         self.config = config
         self.embeddings = SiglipEmbeddings(config)
@@ -367,7 +370,8 @@ class SiglipVisionTransformer(nn.Module):
             {"layers": nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_layers))}
         )
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.init_weights()
+        if init:
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
