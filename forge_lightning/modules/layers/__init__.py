@@ -10,6 +10,7 @@ from forge_lightning.modules.layers.attention import (
     KVCache,
     attention,
 )
+from forge_lightning.modules.layers.init import OWNED_LAYERS, reset_owned_parameters
 from forge_lightning.modules.layers.mla import LatentKVCache, MultiLatentAttention
 from forge_lightning.modules.layers.mlp import GatedMLP, init_linear
 from forge_lightning.modules.layers.moe import (
@@ -52,6 +53,7 @@ __all__ = [
     "LatentKVCache",
     "MoEBlock",
     "MultiLatentAttention",
+    "OWNED_LAYERS",
     "MultimodalRotaryEmbedding",
     "RMSNorm",
     "RotaryEmbedding",
@@ -65,6 +67,7 @@ __all__ = [
     "init_linear",
     "load_exact",
     "mrope_axis_of_freq",
+    "reset_owned_parameters",
     "rope_inv_freq",
     "router_losses",
 ]

@@ -35,6 +35,7 @@ from torch import Tensor, nn
 
 from forge_lightning.modules.layers import attention
 from forge_lightning.modules.layers.activations import ACTIVATIONS, activation
+from forge_lightning.modules.layers.init import reset_owned_parameters
 from forge_lightning.modules.layers.state_dict import load_exact
 
 HF_MODEL_TYPE = "siglip_vision_model"
@@ -377,12 +378,7 @@ class SiglipVisionTransformer(nn.Module):
     def init_weights(self) -> None:
         """(Re)initialise every parameter as transformers does (LayerNorms to one and zero), e.g. after
         ``to_empty``."""
-        for module in self.modules():
-            # Linear, Conv2d and Embedding layers are initialised by their owner.
-            if not isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)) and hasattr(
-                module, "reset_parameters"
-            ):
-                module.reset_parameters()
+        reset_owned_parameters(self.modules())
 
     def hidden_states(self, pixel_values: Tensor, layers: Sequence[int]) -> list[Tensor]:
         """transformers' ``hidden_states[i]`` for each ``i`` in ``layers``: ``[N, T, hidden]`` each, before
