@@ -14,20 +14,17 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor
 
 from forge_lightning.modules.embodied.model import Pi05
+from forge_lightning.modules.layers import load_exact
 from forge_lightning.modules.llm.hf import load_hf_state_dict
 
 _PALIGEMMA = "paligemma_with_expert.paligemma."
 _VISION_TOWER = _PALIGEMMA + "model.vision_tower."
 _SIGLIP = _VISION_TOWER + "vision_model."
 LAYOUT: tuple[tuple[str, str], ...] = (
-    (_SIGLIP + "embeddings.patch_embedding.", "vision.patch_embedding."),
-    (_SIGLIP + "embeddings.position_embedding.", "vision.position_embedding."),
-    (_SIGLIP + "encoder.layers.", "vision.layers."),
-    (_SIGLIP + "post_layernorm.", "vision.post_layernorm."),
+    (_SIGLIP, "vision.tower."),
     (_PALIGEMMA + "model.multi_modal_projector.linear.", "vision.projector."),
     (_PALIGEMMA + "model.language_model.", "llm."),
     ("paligemma_with_expert.gemma_expert.model.", "action_expert."),
@@ -115,22 +112,8 @@ def load_lerobot_checkpoint(model: Pi05, path: str | os.PathLike[str]) -> Pi05:
         path: a directory with ``model.safetensors`` (or a sharded index) or a ``.safetensors`` file.
 
     Raises:
-        ValueError: missing tensors or shapes that do not match the model's configuration.
+        ValueError: tensors are missing, unexpected or of another shape than the model's (the message names them).
     """
     state = from_lerobot_state_dict(load_hf_state_dict(path))
-    expected = model.state_dict()
-    missing = sorted(set(expected) - set(state))
-    unexpected = sorted(set(state) - set(expected))
-    wrong = [
-        f"{k}: {tuple(state[k].shape)} vs {tuple(v.shape)}"
-        for k, v in expected.items()
-        if k in state and state[k].shape != v.shape
-    ]
-    if missing or unexpected or wrong:
-        raise ValueError(
-            f"{path} does not match the model's configuration: {len(missing)} missing (e.g. {missing[:3]}), "
-            f"{len(unexpected)} unexpected (e.g. {unexpected[:3]}), shape mismatches {wrong[:3]}"
-        )
-    with torch.no_grad():
-        model.load_state_dict(state, strict=True)
+    load_exact(model, state, what=f"the Pi0.5 weights of {path}", owner="model")
     return model

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from forge_lightning.modules.vlm.siglip import SiglipVisionConfig
+
 PROMPT_PADDINGS = ("longest", "max_length")
 
 
@@ -23,43 +25,31 @@ def _check_positive(owner: str, name: str, value: float) -> None:
 
 
 @dataclass(kw_only=True)
-class SiglipConfig:
-    """Architecture of the SigLIP vision tower (ViT without a pooling head).
+class SiglipConfig(SiglipVisionConfig):
+    """The SigLIP vision tower as PaliGemma feeds Pi0.5: the last layer's output after ``post_layernorm``, one token
+    per patch, whole patches only.
 
-    Args:
-        hidden_size: width of the vision transformer.
-        intermediate_size: width of its MLP.
-        num_layers: encoder layers.
-        num_heads: attention heads.
-        patch_size: side of the square patches (the patch embedding's kernel and stride).
-        image_size: side of the square input images; ``(image_size / patch_size) ** 2`` tokens per image.
-        layer_norm_eps: LayerNorm epsilon.
+    The fields are :class:`~forge_lightning.modules.vlm.siglip.SiglipVisionConfig`'s (the tower is the VLM
+    family's); ``feature_layer`` and ``feature_select_strategy`` choose LLaVA's features and must keep their
+    defaults here.
     """
 
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    patch_size: int
-    image_size: int
-    layer_norm_eps: float = 1e-6
-
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            _check_positive("vision.", f.name, getattr(self, f.name))
-        if self.hidden_size % self.num_heads:
-            raise ValueError(
-                f"vision.num_heads ({self.num_heads}) must divide vision.hidden_size ({self.hidden_size})"
-            )
+        super().__post_init__()
         if self.image_size % self.patch_size:
             raise ValueError(
                 f"vision.patch_size ({self.patch_size}) must divide vision.image_size ({self.image_size})"
             )
+        for name in ("feature_layer", "feature_select_strategy"):
+            value, default = getattr(self, name), _SIGLIP_DEFAULTS[name]
+            if value != default:
+                raise ValueError(
+                    f"vision.{name} ({value!r}) selects LLaVA's features; Pi0.5 reads the tower's last layer "
+                    f"after post_layernorm: leave it at {default!r}"
+                )
 
-    @property
-    def num_patches(self) -> int:
-        """Tokens per image."""
-        return (self.image_size // self.patch_size) ** 2
+
+_SIGLIP_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SiglipVisionConfig)}
 
 
 @dataclass(kw_only=True)

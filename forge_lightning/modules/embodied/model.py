@@ -27,6 +27,7 @@ from forge_lightning.modules.embodied.config import Pi05Config
 from forge_lightning.modules.embodied.gemma import ActionExpert, GemmaBackbone, KeyValue
 from forge_lightning.modules.embodied.siglip import PaliGemmaVision
 from forge_lightning.modules.layers import RotaryEmbedding
+from forge_lightning.modules.layers.init import reset_owned_parameters
 
 
 @dataclass
@@ -84,9 +85,9 @@ class Pi05(nn.Module):
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise every parameter, e.g. after building on the meta device and ``to_empty``."""
-        for module in self.modules():
-            if not isinstance(module, (nn.Linear, nn.Embedding)) and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        self.vision.init_weights()  # openpi's scheme, not the one the SigLIP tower's parts own
+        for component in (self.llm, self.action_expert, self.rotary):
+            reset_owned_parameters(component.modules())
 
     # ----- prefix: observation -> keys and values -----------------------------------------------------------
     def embed_prefix(self, inputs: Pi05Inputs) -> tuple[Tensor, Tensor]:

@@ -151,7 +151,11 @@ class Pi05Policy(UnscaledGradientClipping, pl.LightningModule):
         No tensor-parallel styles: Gemma's single key/value head cannot be split across ranks.
         """
         m = self.model
-        blocks = {"vision": m.vision.layers, "llm": m.llm.layers, "action_expert": m.action_expert.layers}
+        blocks = {
+            "vision": m.vision.tower.encoder.layers,
+            "llm": m.llm.layers,
+            "action_expert": m.action_expert.layers,
+        }
         return ParallelPlan(
             components=[
                 Component(

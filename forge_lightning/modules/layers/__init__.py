@@ -1,6 +1,8 @@
 """Shared building blocks: attention (with its KV cache), multi-head latent attention, rotary embeddings, norms,
-feed-forward layers and mixture-of-experts blocks."""
+feed-forward layers, mixture-of-experts blocks, activations by their Hugging Face name and the strict weight
+loader."""
 
+from forge_lightning.modules.layers.activations import ACTIVATIONS, activation
 from forge_lightning.modules.layers.attention import (
     ATTENTION_BACKENDS,
     Attention,
@@ -8,6 +10,7 @@ from forge_lightning.modules.layers.attention import (
     KVCache,
     attention,
 )
+from forge_lightning.modules.layers.init import OWNED_LAYERS, reset_owned_parameters
 from forge_lightning.modules.layers.mla import LatentKVCache, MultiLatentAttention
 from forge_lightning.modules.layers.mlp import GatedMLP, init_linear
 from forge_lightning.modules.layers.moe import (
@@ -32,8 +35,10 @@ from forge_lightning.modules.layers.rope import (
     mrope_axis_of_freq,
     rope_inv_freq,
 )
+from forge_lightning.modules.layers.state_dict import load_exact
 
 __all__ = [
+    "ACTIVATIONS",
     "ATTENTION_BACKENDS",
     "MROPE_KEYS",
     "ROPE_TYPES",
@@ -48,6 +53,7 @@ __all__ = [
     "LatentKVCache",
     "MoEBlock",
     "MultiLatentAttention",
+    "OWNED_LAYERS",
     "MultimodalRotaryEmbedding",
     "RMSNorm",
     "RotaryEmbedding",
@@ -55,10 +61,13 @@ __all__ = [
     "RouterStats",
     "SharedExpertsMoE",
     "TopKRouter",
+    "activation",
     "apply_rotary",
     "attention",
     "init_linear",
+    "load_exact",
     "mrope_axis_of_freq",
+    "reset_owned_parameters",
     "rope_inv_freq",
     "router_losses",
 ]

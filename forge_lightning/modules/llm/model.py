@@ -41,6 +41,7 @@ from forge_lightning.modules.layers import (
     router_losses,
 )
 from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS, document_positions
+from forge_lightning.modules.layers.init import reset_owned_parameters
 from forge_lightning.modules.llm.config import LLMConfig, MoEConfig
 
 # The decoder LM's tensor-parallel plan, here alone (DecoderLM.tp_plan): styles of the parts every layer kind shares
@@ -323,10 +324,7 @@ class DecoderLM(nn.Module):
         that owns them; norms are set to one. Weight tying is restored first (``to_empty`` breaks it).
         """
         self.tie_weights()
-        for module in self.modules():
-            # Linear / Embedding layers are initialised by their owner (their own reset is Kaiming-uniform).
-            if not isinstance(module, (nn.Linear, nn.Embedding)) and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset_owned_parameters(self.modules())
 
     def moe_blocks(self) -> list[MoEBlock]:
         """The MoE blocks, in layer order (empty for a dense model)."""

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from forge_lightning.modules.layers.state_dict import load_exact
 from forge_lightning.modules.llm.hf import (
     export_tensors,
     generation_files,
@@ -36,7 +37,6 @@ from forge_lightning.modules.llm.hf import (
 )
 from forge_lightning.modules.vlm.config import VLMConfig
 from forge_lightning.modules.vlm.model import VisionLanguageModel
-from forge_lightning.modules.vlm.weights import load_exact
 
 _COMPONENTS = ("vision.", "projector.", "llm.")
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from torch import Tensor, nn
 
 from forge_lightning.modules.layers import init_linear
-from forge_lightning.modules.vlm.activations import ACTIVATIONS, activation
+from forge_lightning.modules.layers.activations import ACTIVATIONS, activation
 
 
 @dataclass(kw_only=True)
@@ -39,7 +39,7 @@ class MLPProjectorConfig:
     Args:
         bias: both linear layers carry a bias (``multimodal_projector_bias``).
         hidden_act: the activation between them (``projector_hidden_act``; a key of
-            :data:`~forge_lightning.modules.vlm.activations.ACTIVATIONS`).
+            :data:`~forge_lightning.modules.layers.activations.ACTIVATIONS`).
     """
 
     bias: bool = True

@@ -42,8 +42,9 @@ from forge_lightning.modules.layers import (
     init_linear,
 )
 from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS
+from forge_lightning.modules.layers.init import reset_owned_parameters
+from forge_lightning.modules.layers.state_dict import load_exact
 from forge_lightning.modules.vlm.patches import check_grids, frame_ids, patch_positions, window_order
-from forge_lightning.modules.vlm.weights import load_exact
 
 NORM_EPS = 1e-6
 """Epsilon of every RMSNorm of the encoder (fixed by the architecture, not in ``config.json``)."""
@@ -390,10 +391,7 @@ class Qwen25VisionTransformer(nn.Module):
         Linear and patch weights are drawn from ``N(0, initializer_range)`` and biases zeroed by the module that
         owns them; norms are set to one.
         """
-        for module in self.modules():
-            # Linear and Conv3d layers are initialised by their owner (their own reset is Kaiming-uniform).
-            if not isinstance(module, (nn.Linear, nn.Conv3d)) and hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+        reset_owned_parameters(self.modules())
 
     def forward(self, pixel_values: Tensor, grid_thw: Tensor) -> Tensor:
         """Merged tokens of the images and videos, in input order.
@@ -473,5 +471,5 @@ def load_hf_vision_weights(
         ValueError: the state dict has no vision weights, or they do not match the encoder's parameters (missing,
             unexpected or differently shaped entries; the message names them).
     """
-    load_exact(encoder, from_hf_state_dict(state))
+    load_exact(encoder, from_hf_state_dict(state), what="the vision weights")
     return encoder

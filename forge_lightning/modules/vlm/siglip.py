@@ -1,5 +1,6 @@
 """The SigLIP vision tower (Zhai et al. 2023, arXiv:2303.15343) as LLaVA uses it: a plain ViT over fixed-size
-images, without a class token. Its configuration and weight mapping live here too.
+images, without a class token. Its configuration and weight mapping live here too. Pi0.5's image path
+(``forge_lightning.modules.embodied.siglip``) is built on this tower as well.
 
 ::
 
@@ -33,8 +34,9 @@ import torch
 from torch import Tensor, nn
 
 from forge_lightning.modules.layers import attention
-from forge_lightning.modules.vlm.activations import ACTIVATIONS, activation
-from forge_lightning.modules.vlm.weights import load_exact
+from forge_lightning.modules.layers.activations import ACTIVATIONS, activation
+from forge_lightning.modules.layers.init import reset_owned_parameters
+from forge_lightning.modules.layers.state_dict import load_exact
 
 HF_MODEL_TYPE = "siglip_vision_model"
 HF_PREFIX = "vision_model."
@@ -77,7 +79,7 @@ class SiglipVisionConfig:
         image_size: side of the square input images in pixels.
         patch_size: side of a square patch; ``(image_size // patch_size) ** 2`` tokens per image.
         in_channels: image channels (``num_channels``).
-        hidden_act: the MLP's activation (a key of :data:`~forge_lightning.modules.vlm.activations.ACTIVATIONS`).
+        hidden_act: the MLP's activation (a key of :data:`~forge_lightning.modules.layers.activations.ACTIVATIONS`).
         layer_norm_eps: epsilon of every LayerNorm.
         feature_layer: the hidden state(s) the language model gets (LLaVA's ``vision_feature_layer``): an index into
             ``[embeddings, layer 1, ..., layer num_layers]``, negative from the end, or a list of them (concatenated
@@ -356,9 +358,11 @@ class SiglipVisionTransformer(nn.Module):
 
     Args:
         config: the tower's configuration.
+        init: initialise the weights as transformers initialises SigLIP (:meth:`init_weights`); ``False`` keeps
+            torch's default initialisation, for an owner that applies a scheme of its own (Pi0.5's image path).
     """
 
-    def __init__(self, config: SiglipVisionConfig) -> None:
+    def __init__(self, config: SiglipVisionConfig, *, init: bool = True) -> None:
         super().__init__()
         self.config = config
         self.embeddings = SiglipEmbeddings(config)
@@ -367,18 +371,14 @@ class SiglipVisionTransformer(nn.Module):
             {"layers": nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_layers))}
         )
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
-        self.init_weights()
+        if init:
+            self.init_weights()
 
     @torch.no_grad()
     def init_weights(self) -> None:
         """(Re)initialise every parameter as transformers does (LayerNorms to one and zero), e.g. after
         ``to_empty``."""
-        for module in self.modules():
-            # Linear, Conv2d and Embedding layers are initialised by their owner.
-            if not isinstance(module, (nn.Linear, nn.Conv2d, nn.Embedding)) and hasattr(
-                module, "reset_parameters"
-            ):
-                module.reset_parameters()
+        reset_owned_parameters(self.modules())
 
     def hidden_states(self, pixel_values: Tensor, layers: Sequence[int]) -> list[Tensor]:
         """transformers' ``hidden_states[i]`` for each ``i`` in ``layers``: ``[N, T, hidden]`` each, before

@@ -1,4 +1,4 @@
-"""Strict copies of checkpoint tensors into a VLM component, with every mismatch named."""
+"""Strict copies of checkpoint tensors into a module, with every mismatch named."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ def load_exact(
     module: nn.Module,
     weights: Mapping[str, Tensor],
     *,
-    what: str = "the vision weights",
+    what: str,
     owner: str = "encoder",
 ) -> None:
     """Copy ``weights`` (named as in ``module.state_dict()``) into ``module``.
