@@ -1,4 +1,5 @@
-"""The tiny HF configs that CPU tests share: a Llama-style LLM (same as tests/configs/tiny_llm.yaml) and a Qwen2.5-VL text model."""
+"""The tiny HF configs that CPU tests share: a Llama-style LLM (same as tests/configs/tiny_llm.yaml) and the
+Qwen2.5-VL / Qwen3-VL text models."""
 
 TINY_LLM = {
     "model_type": "llama",
@@ -22,6 +23,23 @@ TINY_QWEN2_5_VL_TEXT = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
     rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+)
+
+# The text model of the tiny Qwen3-VL (no vocabulary): head_dim 32, interleaved M-RoPE [6, 5, 5], QK norm.
+TINY_QWEN3_VL_TEXT = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=512,
+    rope_parameters={
+        "rope_type": "default",
+        "rope_theta": 10000.0,
+        "mrope_section": [6, 5, 5],
+        "mrope_interleaved": True,
+    },
 )
 
 # Image tokens of Qwen2-VL / Qwen2.5-VL and of fixed-resolution (LLaVA / SigLIP) models.

@@ -346,7 +346,7 @@ def test_wrong_number_of_image_tokens_is_named(pair) -> None:
     [
         (
             {"vision": {"type": "clip"}},
-            r"vision.type \('clip'\) is not supported; supported: qwen2_5_vit, siglip",
+            r"vision.type \('clip'\) is not supported; supported: qwen2_5_vit, qwen3_vit, siglip",
         ),
         ({"projector": "linear"}, r"projector \('linear'\) is not supported; supported: none, mlp"),
         (

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from llm_parity import randomize_weights
-from tiny import TINY_QWEN2_5_VL_TEXT
+from tiny import TINY_QWEN2_5_VL_TEXT, TINY_QWEN3_VL_TEXT
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen3VLConfig, Qwen3VLModel
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLTextModel
 from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextModel
@@ -27,22 +27,7 @@ TOKENS_PER_SECOND = 2
 TOL = 1e-5  # max abs error of hidden states; relative L2 error of each gradient
 
 QWEN2_5_TEXT = dict(vocab_size=VOCAB, **TINY_QWEN2_5_VL_TEXT)
-QWEN3_TEXT = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    max_position_embeddings=512,
-    rope_parameters={
-        "rope_type": "default",
-        "rope_theta": 10000.0,
-        "mrope_section": [6, 5, 5],
-        "mrope_interleaved": True,
-    },
-)
+QWEN3_TEXT = dict(vocab_size=VOCAB, **TINY_QWEN3_VL_TEXT)
 VISION = dict(depth=1, hidden_size=32, out_hidden_size=64, num_heads=2, intermediate_size=32)
 
 

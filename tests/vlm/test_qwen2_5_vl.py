@@ -5,22 +5,31 @@ checkpoint (fp32): logits within 1e-4 (max abs), the loss within 1e-5 (relative)
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from llm_parity import randomize_weights
+from qwen_vl_parity import (
+    END,
+    IMAGE,
+    START,
+    VIDEO,
+    VOCAB,
+    assert_export_loads,
+    assert_matches_transformers,
+    assert_tied_round_trip,
+    hf_checkpoint,
+    pixels,
+    placeholders,
+    right_padded,
+    text,
+)
 from tiny import TINY_QWEN2_5_VL_TEXT
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-from forge_lightning.modules.vlm import VisionLanguageModel, VLMConfig, from_pretrained, save_pretrained
+from forge_lightning.modules.vlm import VisionLanguageModel, VLMConfig, from_pretrained
 
-VOCAB = 256
-IMAGE, VIDEO, START, END = 250, 251, 252, 253
 PATCH = 4
-LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4
 
 TEXT = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **TINY_QWEN2_5_VL_TEXT)
 VISION = dict(
@@ -37,7 +46,7 @@ VISION = dict(
 IMG_A, IMG_B, IMG_C, VID = (1, 4, 6), (1, 6, 4), (1, 4, 4), (2, 4, 4)
 
 
-def _hf_config(tie: bool = False) -> Qwen2_5_VLConfig:
+def _hf_config() -> Qwen2_5_VLConfig:
     return Qwen2_5_VLConfig(
         text_config=TEXT,
         vision_config=VISION,
@@ -45,16 +54,11 @@ def _hf_config(tie: bool = False) -> Qwen2_5_VLConfig:
         video_token_id=VIDEO,
         vision_start_token_id=START,
         vision_end_token_id=END,
-        tie_word_embeddings=tie,
     )
 
 
 def _hf_checkpoint(path: Path, tie: bool = False) -> Qwen2_5_VLForConditionalGeneration:
-    torch.manual_seed(0)
-    hf = Qwen2_5_VLForConditionalGeneration(_hf_config(tie)).float().eval()
-    randomize_weights(hf, weight_std=0.1)
-    hf.save_pretrained(path)
-    return hf
+    return hf_checkpoint(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, TEXT, VISION, path, tie)
 
 
 @pytest.fixture(scope="module")
@@ -64,134 +68,48 @@ def pair(tmp_path_factory) -> tuple[Qwen2_5_VLForConditionalGeneration, VisionLa
     return hf, from_pretrained(path)
 
 
-def _text(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 240, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _vision(token: int, grid: tuple[int, int, int]) -> list[int]:
-    """A placeholder run as the processor writes it: one pad token per merged patch."""
-    return [START] + [token] * (grid[0] * grid[1] * grid[2] // 4) + [END]
-
-
-def _pixels(grids: list[tuple[int, int, int]], seed: int) -> torch.Tensor:
-    num_patches = sum(t * h * w for t, h, w in grids)
-    return torch.randn(num_patches, 3 * 2 * PATCH**2, generator=torch.Generator().manual_seed(seed))
-
-
-def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    seq = max(map(len, rows))
-    ids, mask = torch.zeros(len(rows), seq, dtype=torch.long), torch.zeros(len(rows), seq, dtype=torch.long)
-    for b, row in enumerate(rows):
-        ids[b, : len(row)], mask[b, : len(row)] = torch.tensor(row), 1
-    return ids, mask
-
-
 def _batch(case: str) -> dict[str, torch.Tensor]:
     if case == "two_images_and_text_only":
         rows = [
-            _text(3, 0) + _vision(IMAGE, IMG_A) + _text(4, 1) + _vision(IMAGE, IMG_B) + _text(2, 2),
-            _text(9, 3),
+            text(3, 0) + placeholders(IMAGE, IMG_A) + text(4, 1) + placeholders(IMAGE, IMG_B) + text(2, 2),
+            text(9, 3),
         ]
-        ids, mask = _right_padded(rows)
+        ids, mask = right_padded(rows)
         return dict(
             input_ids=ids,
             attention_mask=mask,
-            pixel_values=_pixels([IMG_A, IMG_B], 0),
+            pixel_values=pixels([IMG_A, IMG_B], 0, PATCH),
             image_grid_thw=torch.tensor([IMG_A, IMG_B]),
         )
-    ids, mask = _right_padded(
-        [_text(2, 4) + _vision(VIDEO, VID) + _text(3, 5) + _vision(IMAGE, IMG_C) + _text(2, 6)]
+    ids, mask = right_padded(
+        [text(2, 4) + placeholders(VIDEO, VID) + text(3, 5) + placeholders(IMAGE, IMG_C) + text(2, 6)]
     )
     return dict(
         input_ids=ids,
         attention_mask=mask,
-        pixel_values=_pixels([IMG_C], 1),
+        pixel_values=pixels([IMG_C], 1, PATCH),
         image_grid_thw=torch.tensor([IMG_C]),
-        pixel_values_videos=_pixels([VID], 2),
+        pixel_values_videos=pixels([VID], 2, PATCH),
         video_grid_thw=torch.tensor([VID]),
         second_per_grid_ts=torch.tensor([1.5]),
     )
 
 
-def _hf_logits(hf: Qwen2_5_VLForConditionalGeneration, batch: dict, **kwargs) -> tuple[torch.Tensor, object]:
-    ids = batch["input_ids"]
-    token_types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()  # the processor's mm_token_type_ids
-    out = hf(**batch, mm_token_type_ids=token_types, **kwargs)
-    return out.logits, out
-
-
-def _labels(batch: dict) -> torch.Tensor:
-    ids = batch["input_ids"]
-    ignore = (batch["attention_mask"] == 0) | (ids == IMAGE) | (ids == VIDEO)
-    return ids.masked_fill(ignore, -100)
-
-
-def _hf_name(name: str) -> str:
-    if name.startswith("vision."):
-        return "model.visual." + name.removeprefix("vision.")
-    if name.startswith("llm.model."):
-        return "model.language_model." + name.removeprefix("llm.model.")
-    return name.removeprefix("llm.")
-
-
 @pytest.mark.parametrize("case", ["two_images_and_text_only", "video_and_image"])
 def test_logits_loss_and_gradients_match_transformers(pair, case: str) -> None:
-    hf, model = pair
-    hf.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    batch, labels = _batch(case), _labels(_batch(case))
-    keep = batch["attention_mask"].bool()
-
-    logits = model(**batch)
-    hf_logits, out = _hf_logits(hf, batch, labels=labels)
-    logits_err = (logits - hf_logits)[keep].abs().max().item()
-    assert logits_err <= LOGITS_TOL, logits_err
-
-    loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-    assert abs(loss.item() - out.loss.item()) <= LOSS_TOL * out.loss.item()
-
-    loss.backward()
-    out.loss.backward()
-    hf_grads = {name: p.grad for name, p in hf.named_parameters()}
-    names = {_hf_name(name) for name, _ in model.named_parameters()}
-    assert names == hf_grads.keys()
-    for name, p in model.named_parameters():
-        want = hf_grads[_hf_name(name)]
-        rel = ((p.grad - want).norm() / want.norm()).item()
-        assert rel <= GRAD_TOL, f"{name}: relative gradient error {rel:.2e}"
+    assert_matches_transformers(*pair, _batch(case))
 
 
 def test_saved_checkpoint_loads_in_transformers(pair, tmp_path: Path) -> None:
-    _, model = pair
-    out = save_pretrained(model, model.config, tmp_path / "ours", max_shard_size="100KB")
-    index = json.loads((out / "model.safetensors.index.json").read_text())
-    assert {k.split(".")[0] + "." + k.split(".")[1] for k in index["weight_map"]} == {
-        "model.visual",
-        "model.language_model",
-        "lm_head.weight",
-    }
-    assert (out / "generation_config.json").is_file()
-    hf = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
-    batch = _batch("video_and_image")
-    with torch.no_grad():
-        assert (model(**batch) - _hf_logits(hf, batch)[0]).abs().max().item() <= LOGITS_TOL
-    again = from_pretrained(out)
-    for (name, p), q in zip(model.state_dict().items(), again.state_dict().values()):
-        assert torch.equal(p, q), name
+    assert_export_loads(
+        pair[1], Qwen2_5_VLForConditionalGeneration, _batch("video_and_image"), tmp_path / "ours"
+    )
 
 
 def test_tied_embeddings_round_trip(tmp_path: Path) -> None:
     hf = _hf_checkpoint(tmp_path / "hf", tie=True)
-    model = from_pretrained(tmp_path / "hf")
-    assert model.config.llm.tie_word_embeddings
-    assert model.llm.lm_head.weight is model.llm.model.embed_tokens.weight
     batch = _batch("two_images_and_text_only")
-    keep = batch["attention_mask"].bool()
-    with torch.no_grad():
-        assert (model(**batch) - _hf_logits(hf, batch)[0])[keep].abs().max().item() <= LOGITS_TOL
-        out = save_pretrained(model, model.config, tmp_path / "ours")
-        back = Qwen2_5_VLForConditionalGeneration.from_pretrained(out).eval()
-        assert (model(**batch) - _hf_logits(back, batch)[0])[keep].abs().max().item() <= LOGITS_TOL
+    assert_tied_round_trip(hf, Qwen2_5_VLForConditionalGeneration, tmp_path / "hf", batch, tmp_path / "ours")
 
 
 def test_wrong_number_of_image_tokens_is_named(pair) -> None:

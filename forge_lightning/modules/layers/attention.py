@@ -53,10 +53,21 @@ except ImportError:
     _varlen_attn, _VARLEN_PARAMS = None, frozenset()
 
 
-def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for ``backend`` on ``device`` (``auto``: ``flex`` on CUDA, ``sdpa`` elsewhere)."""
+def check_attention_backend(backend: str) -> str:
+    """``backend`` if it is one of :data:`ATTENTION_BACKENDS` (a module checks the name when built; the device is
+    checked at forward, by :func:`resolve_attention_backend`).
+
+    Raises:
+        ValueError: an unknown name.
+    """
     if backend not in ATTENTION_BACKENDS:
         raise ValueError(f"attention_backend ({backend!r}) must be one of {', '.join(ATTENTION_BACKENDS)}")
+    return backend
+
+
+def resolve_attention_backend(backend: str, device: torch.device) -> str:
+    """The concrete backend for ``backend`` on ``device`` (``auto``: ``flex`` on CUDA, ``sdpa`` elsewhere)."""
+    check_attention_backend(backend)
     if backend == "auto":
         return "flex" if device.type == "cuda" else "sdpa"
     if backend == "varlen" and device.type != "cuda":

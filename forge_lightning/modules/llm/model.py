@@ -40,7 +40,7 @@ from forge_lightning.modules.layers import (
     TopKRouter,
     router_losses,
 )
-from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS, document_positions
+from forge_lightning.modules.layers.attention import check_attention_backend, document_positions
 from forge_lightning.modules.layers.init import reset_owned_parameters
 from forge_lightning.modules.llm.config import LLMConfig, MoEConfig
 
@@ -208,11 +208,7 @@ class DecoderModel(nn.Module):
 
     def __init__(self, config: LLMConfig, *, attention_backend: str = "auto") -> None:
         super().__init__()
-        if attention_backend not in ATTENTION_BACKENDS:  # the name early; the device is checked at forward
-            raise ValueError(
-                f"attention_backend ({attention_backend!r}) must be one of {', '.join(ATTENTION_BACKENDS)}"
-            )
-        self.attention_backend = attention_backend
+        self.attention_backend = check_attention_backend(attention_backend)
         self.init_std = config.initializer_range
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
@@ -231,8 +227,9 @@ class DecoderModel(nn.Module):
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        layer_residuals: Sequence[Tensor] | None = None,
     ) -> Tensor:
-        """Final-normed hidden states ``[B, S, hidden]``; see :meth:`DecoderLM.forward` for the arguments."""
+        """Final-normed hidden states ``[B, S, hidden]``; see :meth:`DecoderLM.hidden_states` for the arguments."""
         if (input_ids is None) == (inputs_embeds is None):
             raise ValueError("pass exactly one of input_ids [B, S] and inputs_embeds [B, S, hidden]")
         x_BSD = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
@@ -258,10 +255,17 @@ class DecoderModel(nn.Module):
         if position_ids is None:
             start = kv_cache[0].length if kv_cache is not None else 0
             position_ids = torch.arange(start, start + x_BSD.shape[1], device=x_BSD.device)[None]  # [1, S]
+        residuals = () if layer_residuals is None else layer_residuals
+        if len(residuals) > len(self.layers):
+            raise ValueError(
+                f"layer_residuals holds {len(residuals)} tensors but the model has {len(self.layers)} layers"
+            )
         rope = self.rotary_emb(position_ids)
         for i, layer in enumerate(self.layers):
             cache = None if kv_cache is None else kv_cache[i]
             x_BSD = layer(x_BSD, rope, kv_cache=cache, mask=attention_mask, documents=documents)
+            if i < len(residuals):
+                x_BSD = x_BSD + residuals[i].to(x_BSD.dtype)
         return self.norm(x_BSD)
 
 
@@ -345,10 +349,13 @@ class DecoderLM(nn.Module):
         attention_mask: Tensor | None = None,
         document_ids: Tensor | None = None,
         inputs_embeds: Tensor | None = None,
+        layer_residuals: Sequence[Tensor] | None = None,
     ) -> Tensor:
         """Final-normed hidden states ``[B, S, hidden]`` (what a fused / chunked cross-entropy consumes).
 
-        Arguments as for :meth:`forward`.
+        Arguments as for :meth:`forward`, plus ``layer_residuals``: ``[B, S, hidden]`` tensors added to the output
+        of the first ``len(layer_residuals)`` decoder layers, one each (Qwen3-VL's DeepStack: vision features of
+        earlier encoder layers join the hidden states at the visual tokens, zero elsewhere).
         """
         return self.model(
             input_ids,
@@ -357,6 +364,7 @@ class DecoderLM(nn.Module):
             attention_mask=attention_mask,
             document_ids=document_ids,
             inputs_embeds=inputs_embeds,
+            layer_residuals=layer_residuals,
         )
 
     def forward(

@@ -1,11 +1,12 @@
 """Configuration of a vision-language model: a vision encoder, a projector and a decoder LM, with the special
-tokens that tie them together. Reads and writes the ``config.json`` of Qwen2.5-VL and LLaVA checkpoints.
+tokens that tie them together. Reads and writes the ``config.json`` of Qwen2.5-VL, Qwen3-VL and LLaVA checkpoints.
 
 The ``vision.type`` decides the family (:data:`FAMILIES`): the Hugging Face architecture it exports as, the
 projector that architecture has, whether the LLM takes multimodal RoPE positions, and which token fields it uses::
 
     vision.type   family       model_type   projector   LLM positions          token fields
     qwen2_5_vit   Qwen2.5-VL   qwen2_5_vl   none        M-RoPE [3, B, S]       image / video / vision start, end
+    qwen3_vit     Qwen3-VL     qwen3_vl     none        interleaved M-RoPE     image / video / vision start, end
     siglip        LLaVA        llava        mlp         1-D (the LLM's own)    image
 """
 
@@ -18,9 +19,14 @@ from typing import Any
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.vlm.projector import PROJECTORS, IdentityProjectorConfig, MLPProjectorConfig
 from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionConfig
+from forge_lightning.modules.vlm.qwen3_vit import Qwen3VisionConfig
 from forge_lightning.modules.vlm.siglip import SiglipVisionConfig
 
-VISION_TYPES: dict[str, type] = {"qwen2_5_vit": Qwen25VisionConfig, "siglip": SiglipVisionConfig}
+VISION_TYPES: dict[str, type] = {
+    "qwen2_5_vit": Qwen25VisionConfig,
+    "qwen3_vit": Qwen3VisionConfig,
+    "siglip": SiglipVisionConfig,
+}
 """Vision encoder configs by the ``type`` of a ``vision`` section."""
 
 # transformers' Qwen2.5-VL vision config default, used when a config.json omits the key (released ones write 2).
@@ -57,6 +63,7 @@ class Family:
             the others must stay unset.
         from_hf: reads its ``config.json`` dict.
         to_hf: writes it.
+        mrope_interleaved: with ``mrope``, the LLM's M-RoPE is interleaved (Qwen3-VL), not chunked (Qwen2.5-VL).
     """
 
     name: str
@@ -68,6 +75,7 @@ class Family:
     fields: Mapping[str, Any]
     from_hf: Callable[[Mapping[str, Any]], VLMConfig]
     to_hf: Callable[[VLMConfig], dict[str, Any]]
+    mrope_interleaved: bool = False
 
 
 @dataclass(kw_only=True)
@@ -94,7 +102,7 @@ class VLMConfig:
     Fields a family does not use (:attr:`Family.fields`) must stay unset.
     """
 
-    vision: Qwen25VisionConfig | SiglipVisionConfig
+    vision: Qwen25VisionConfig | Qwen3VisionConfig | SiglipVisionConfig
     llm: LLMConfig
     projector: IdentityProjectorConfig | MLPProjectorConfig | str | None = None
     image_token_id: int | None = None
@@ -119,6 +127,19 @@ class VLMConfig:
             raise ValueError(
                 f"llm.rope_scaling has no mrope_section: a {family.name} language model takes multimodal RoPE "
                 "positions"
+            )
+        if family.mrope and self.llm.mrope_interleaved != family.mrope_interleaved:
+            want, got = ("interleaved", "chunked") if family.mrope_interleaved else ("chunked", "interleaved")
+            raise ValueError(
+                f"llm.rope_scaling mrope_interleaved is {self.llm.mrope_interleaved}: a {family.name} language "
+                f"model takes {want} multimodal RoPE, not {got} (set mrope_interleaved: "
+                f"{str(family.mrope_interleaved).lower()})"
+            )
+        deepstack = getattr(self.vision, "deepstack_layers", [])
+        if len(deepstack) > self.llm.num_layers:
+            raise ValueError(
+                f"vision.deepstack_layers ({deepstack}) feed {len(deepstack)} decoder layers, but llm.num_layers is "
+                f"{self.llm.num_layers}"
             )
         if not family.mrope and self.llm.mrope_section is not None:
             raise ValueError(
@@ -172,7 +193,7 @@ class VLMConfig:
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> VLMConfig:
-        """Read the ``config.json`` dict of a Qwen2.5-VL or LLaVA checkpoint (the family by ``model_type``).
+        """Read the ``config.json`` dict of a Qwen2.5-VL, Qwen3-VL or LLaVA checkpoint (the family by ``model_type``).
 
         Raises:
             ValueError: an unsupported ``model_type``, no ``vision_config``, a ``vision_config`` of another family,
@@ -249,21 +270,38 @@ def _type_of(config: Any, types: Mapping[str, type]) -> str:
 # ---------------------------------------------------------------- Qwen2.5-VL
 
 
-def _qwen2_5_vl_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
-    """transformers 5 nests the LLM in ``text_config``; older files keep the text fields at the top level."""
+def _qwen_vl_text_and_tokens(hf: Mapping[str, Any], text_model_type: str) -> tuple[LLMConfig, dict[str, int]]:
+    """The LLM config and special tokens of a Qwen-VL ``config.json``: transformers 5 nests the LLM in
+    ``text_config``; older files keep the text fields at the top level."""
     text = (
         dict(hf["text_config"])
         if "text_config" in hf
         else {k: v for k, v in hf.items() if k != "vision_config"}
     )
-    text["model_type"] = "qwen2_5_vl_text"
+    text["model_type"] = text_model_type
     if "tie_word_embeddings" in hf:  # transformers ties by the top-level flag
         text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-    vision = hf["vision_config"]
     tokens = {name: hf[name] for name in _FAMILY_FIELDS if name.endswith("_token_id") and name in hf}
+    return LLMConfig.from_hf(text), tokens
+
+
+def _qwen_vl_to_hf(config: VLMConfig, vision: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": [config.family.architecture],
+        "model_type": config.family.model_type,
+        "text_config": config.llm.to_hf(),
+        "vision_config": vision,
+        "tie_word_embeddings": config.llm.tie_word_embeddings,
+        **{name: getattr(config, name) for name in _FAMILY_FIELDS if name.endswith("_token_id")},
+    }
+
+
+def _qwen2_5_vl_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
+    llm, tokens = _qwen_vl_text_and_tokens(hf, "qwen2_5_vl_text")
+    vision = hf["vision_config"]
     return VLMConfig(
         vision=Qwen25VisionConfig.from_hf(vision),
-        llm=LLMConfig.from_hf(text),
+        llm=llm,
         tokens_per_second=vision.get("tokens_per_second", _HF_TOKENS_PER_SECOND),
         **tokens,
     )
@@ -275,14 +313,19 @@ def _qwen2_5_vl_to_hf(config: VLMConfig) -> dict[str, Any]:
         "model_type": "qwen2_5_vl_vision",
         "tokens_per_second": config.tokens_per_second,
     }
-    return {
-        "architectures": [config.family.architecture],
-        "model_type": config.family.model_type,
-        "text_config": config.llm.to_hf(),
-        "vision_config": vision,
-        "tie_word_embeddings": config.llm.tie_word_embeddings,
-        **{name: getattr(config, name) for name in _FAMILY_FIELDS if name.endswith("_token_id")},
-    }
+    return _qwen_vl_to_hf(config, vision)
+
+
+# ---------------------------------------------------------------- Qwen3-VL
+
+
+def _qwen3_vl_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
+    llm, tokens = _qwen_vl_text_and_tokens(hf, "qwen3_vl_text")
+    return VLMConfig(vision=Qwen3VisionConfig.from_hf(hf["vision_config"]), llm=llm, **tokens)
+
+
+def _qwen3_vl_to_hf(config: VLMConfig) -> dict[str, Any]:
+    return _qwen_vl_to_hf(config, {**config.vision.to_hf(), "model_type": "qwen3_vl_vision"})
 
 
 # ---------------------------------------------------------------- LLaVA
@@ -333,6 +376,14 @@ def _llava_to_hf(config: VLMConfig) -> dict[str, Any]:
     }
 
 
+# <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|> of the Qwen2-VL vocabulary, which later Qwen-VL keep.
+_QWEN_VL_TOKENS = {
+    "image_token_id": 151655,
+    "video_token_id": 151656,
+    "vision_start_token_id": 151652,
+    "vision_end_token_id": 151653,
+}
+
 FAMILIES: dict[str, Family] = {
     "qwen2_5_vit": Family(
         name="Qwen2.5-VL",
@@ -341,15 +392,22 @@ FAMILIES: dict[str, Family] = {
         vision_model_types=("qwen2_5_vl_vision", "qwen2_5_vl"),
         projector="none",
         mrope=True,
-        fields={
-            "image_token_id": 151655,
-            "video_token_id": 151656,
-            "vision_start_token_id": 151652,
-            "vision_end_token_id": 151653,
-            "tokens_per_second": 2,
-        },
+        fields={**_QWEN_VL_TOKENS, "tokens_per_second": 2},
         from_hf=_qwen2_5_vl_from_hf,
         to_hf=_qwen2_5_vl_to_hf,
+    ),
+    "qwen3_vit": Family(
+        name="Qwen3-VL",
+        model_type="qwen3_vl",
+        architecture="Qwen3VLForConditionalGeneration",
+        # Early Qwen3-VL files name their vision_config "qwen3_vl", as transformers still reads.
+        vision_model_types=("qwen3_vl_vision", "qwen3_vl"),
+        projector="none",
+        mrope=True,
+        fields=_QWEN_VL_TOKENS,
+        from_hf=_qwen3_vl_from_hf,
+        to_hf=_qwen3_vl_to_hf,
+        mrope_interleaved=True,
     ),
     "siglip": Family(
         name="LLaVA",

@@ -1,8 +1,9 @@
-"""Hugging Face interchange of whole VLM checkpoints (``config.json`` and safetensors): Qwen2.5-VL and LLaVA.
+"""Hugging Face interchange of whole VLM checkpoints (``config.json`` and safetensors): Qwen2.5-VL, Qwen3-VL and
+LLaVA.
 
 Tensor names by family (:data:`LAYOUTS`; every listed layout is read, the first one written)::
 
-    ours                 Qwen2.5-VL: transformers 5 | published   LLaVA: published | transformers 5 in memory
+    ours                 Qwen2.5-VL, Qwen3-VL: tf 5 | published   LLaVA: published | transformers 5 in memory
     vision.*             model.visual.*             | visual.*     vision_tower.vision_model.* | model.vision_tower.*
                                                                    (and vision_tower.*, as transformers 5 saves)
     projector.*          -                                         multi_modal_projector.* | model.multi_modal_projector.*
@@ -91,15 +92,18 @@ class Layout:
         return self.prefixes[ours][0] + name[len(ours) :]
 
 
+_QWEN_VL_LAYOUT = Layout(
+    prefixes={
+        "vision.": ("model.visual.", "visual."),
+        "llm.model.": ("model.language_model.", "model."),
+        "llm.lm_head.": ("lm_head.",),
+    },
+    skipped=(r"inv_freq$",),
+)
+
 LAYOUTS: dict[str, Layout] = {
-    "qwen2_5_vl": Layout(
-        prefixes={
-            "vision.": ("model.visual.", "visual."),
-            "llm.model.": ("model.language_model.", "model."),
-            "llm.lm_head.": ("lm_head.",),
-        },
-        skipped=(r"inv_freq$",),
-    ),
+    "qwen2_5_vl": _QWEN_VL_LAYOUT,
+    "qwen3_vl": _QWEN_VL_LAYOUT,
     "llava": Layout(
         prefixes={
             "vision.": (
@@ -122,7 +126,7 @@ def from_pretrained(path: str | os.PathLike[str], *, attention_backend: str = "a
     """A :class:`VisionLanguageModel` built from the ``config.json`` in ``path`` and filled with its weights.
 
     Args:
-        path: a Qwen2.5-VL or LLaVA checkpoint directory (``model.safetensors`` or a sharded index).
+        path: a Qwen2.5-VL, Qwen3-VL or LLaVA checkpoint directory (``model.safetensors`` or a sharded index).
         attention_backend: see :class:`VisionLanguageModel`.
 
     Raises:
@@ -156,7 +160,8 @@ def save_pretrained(
     state_dict: Mapping[str, Tensor] | None = None,
 ) -> Path:
     """Export ``model`` as a checkpoint directory of its family (atomically, with a manifest) that transformers'
-    ``Qwen2_5_VLForConditionalGeneration`` / ``LlavaForConditionalGeneration`` loads.
+    ``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3VLForConditionalGeneration`` / ``LlavaForConditionalGeneration``
+    loads.
 
     Args:
         model: the model to export (full, unsharded tensors on any device).

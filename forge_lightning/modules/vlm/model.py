@@ -3,11 +3,15 @@ of the placeholder tokens in the LLM's input embeddings::
 
     input_ids ─ llm.model.embed_tokens ───────────────────────────┐
     pixels (+ grids) ─ vision ─ projector ─ features at the image / video placeholders ─ [B, S, D]
-    input_ids (+ grids) ─ tower positions ─ [3, B, S] (Qwen2.5-VL) or [B, S] ─ llm (layers, norm) ─ [B, S, D]
-                                                                                 ─ lm_head ─ logits [B, S, V]
+    input_ids (+ grids) ─ tower positions ─ [3, B, S] (Qwen-VL) or [B, S] ─ llm (layers, norm) ─ [B, S, D]
+                                                                              ─ lm_head ─ logits [B, S, V]
+
+Qwen3-VL's encoder also gives DeepStack features of earlier encoder blocks: they are added to the LLM's hidden
+states at the same placeholders after each of its first decoder layers (``layer_residuals`` of
+:meth:`~forge_lightning.modules.llm.DecoderLM.hidden_states`).
 
 Submodules: ``vision`` (the encoder), ``projector`` (``nn.Identity`` when the encoder ends in the LLM's width, as
-Qwen2.5-VL's patch merger does; LLaVA's MLP otherwise) and ``llm`` (:class:`~forge_lightning.modules.llm.DecoderLM`).
+the Qwen-VL patch mergers do; LLaVA's MLP otherwise) and ``llm`` (:class:`~forge_lightning.modules.llm.DecoderLM`).
 What differs between encoder types (inputs, placeholder tokens, positions) is their
 :class:`~forge_lightning.modules.vlm.towers.VisionTower`.
 """
@@ -28,12 +32,13 @@ _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
 
 class VisionLanguageModel(nn.Module):
-    """A vision encoder and projector feeding a decoder LM (Qwen2.5-VL, LLaVA), with transformers' parameter layout
-    below ``vision``, ``projector`` and ``llm`` (see :mod:`forge_lightning.modules.vlm.hf` for the checkpoint names).
+    """A vision encoder and projector feeding a decoder LM (Qwen2.5-VL, Qwen3-VL, LLaVA), with transformers'
+    parameter layout below ``vision``, ``projector`` and ``llm`` (see :mod:`forge_lightning.modules.vlm.hf` for the
+    checkpoint names).
 
     Args:
         config: the model's configuration.
-        attention_backend: kernel for the LLM's and the Qwen2.5-VL encoder's packed attention (see
+        attention_backend: kernel for the LLM's and the Qwen-VL encoders' packed attention (see
             ``forge_lightning.modules.layers.attention``); SigLIP's dense image batches always run SDPA.
     """
 
@@ -102,14 +107,16 @@ class VisionLanguageModel(nn.Module):
 
         Args:
             input_ids: ``[B, S]`` tokens, one image placeholder (``image_token_id``) per image feature and, for
-                Qwen2.5-VL, one ``<|video_pad|>`` per merged video patch.
+                Qwen-VL, one ``<|video_pad|>`` per merged video patch (Qwen3-VL: in one run per frame, the runs
+                separated by the processor's timestamp text).
             attention_mask: ``[B, S]``, 0 at padding (right padding is tested).
-            pixel_values: the images, in order over the batch: Qwen2.5-VL ``[num_patches, patch_dim]`` patches,
+            pixel_values: the images, in order over the batch: Qwen-VL ``[num_patches, patch_dim]`` patches,
                 LLaVA ``[num_images, 3, image_size, image_size]``.
-            image_grid_thw: Qwen2.5-VL: ``[num_images, 3]`` patch grids of the images.
-            pixel_values_videos: Qwen2.5-VL: ``[num_patches, patch_dim]`` patches of the videos.
-            video_grid_thw: Qwen2.5-VL: ``[num_videos, 3]`` patch grids of the videos.
-            second_per_grid_ts: Qwen2.5-VL: seconds per temporal grid step of each video (default 1).
+            image_grid_thw: Qwen-VL: ``[num_images, 3]`` patch grids of the images.
+            pixel_values_videos: Qwen-VL: ``[num_patches, patch_dim]`` patches of the videos.
+            video_grid_thw: Qwen-VL: ``[num_videos, 3]`` patch grids of the videos.
+            second_per_grid_ts: Qwen2.5-VL: seconds per temporal grid step of each video (default 1); Qwen3-VL
+                times its frames with timestamp text instead and refuses it.
             image_sizes: LLaVA: ``[num_images, 2]`` as its processors return it; every SigLIP image is resized to
                 ``image_size``, so it changes nothing (accepted so that a processor's output passes whole).
             kv_cache: the LLM's empty per-layer caches (``llm.init_kv_cache``) to prefill with this prompt for
@@ -133,14 +140,22 @@ class VisionLanguageModel(nn.Module):
             image_sizes=image_sizes,
         )
         x_BSD = self.llm.model.embed_tokens(input_ids)
+        deepstack: list[Tensor] = []  # [B, S, D] per decoder layer: zero but at the placeholders
         for kind in self.tower.kinds:
-            x_BSD = self._insert(x_BSD, input_ids, kind, *media[kind])
+            x_BSD, layers = self._insert(x_BSD, input_ids, kind, *media[kind])
+            if layers:  # image and video placeholders differ, so their sum holds each at its own tokens
+                deepstack = [a + b for a, b in zip(deepstack, layers)] if deepstack else layers
         position_ids, _ = self.position_ids(
             input_ids, attention_mask, image_grid_thw, video_grid_thw, second_per_grid_ts
         )
         mask_B11S = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         return self.llm.hidden_states(
-            None, position_ids, inputs_embeds=x_BSD, attention_mask=mask_B11S, kv_cache=kv_cache
+            None,
+            position_ids,
+            inputs_embeds=x_BSD,
+            attention_mask=mask_B11S,
+            kv_cache=kv_cache,
+            layer_residuals=deepstack or None,
         )
 
     def _check_inputs(self, **inputs: object) -> None:
@@ -154,8 +169,9 @@ class VisionLanguageModel(nn.Module):
 
     def _insert(
         self, x_BSD: Tensor, input_ids: Tensor, kind: str, pixels: Tensor | None, grid_thw: Tensor | None
-    ) -> Tensor:
-        """``x_BSD`` with the projected features of ``pixels`` at the placeholder tokens of ``kind``."""
+    ) -> tuple[Tensor, list[Tensor]]:
+        """``x_BSD`` with the projected features of ``pixels`` at the placeholder tokens of ``kind``, and the
+        tower's per-layer features (DeepStack) at the same tokens, ``[B, S, D]`` each, zero elsewhere."""
         slots_BS = input_ids == getattr(self.config, f"{kind}_token_id")
         num_slots, name = int(slots_BS.sum()), self.tower.placeholder(kind)
         if pixels is None:
@@ -163,8 +179,9 @@ class VisionLanguageModel(nn.Module):
                 raise ValueError(
                     f"input_ids hold {num_slots} {name} tokens but no {kind} pixels were given ({_PIXELS[kind]})"
                 )
-            return x_BSD
-        features_ND = self.projector(self.tower.encode(self.vision, pixels, grid_thw, kind)).to(x_BSD.dtype)
+            return x_BSD, []
+        features_ND, layers_ND = self.tower.encode_layers(self.vision, pixels, grid_thw, kind)
+        features_ND = self.projector(features_ND).to(x_BSD.dtype)
         num_features = features_ND.shape[0]
         if num_features != num_slots:
             origin = self.tower.describe_count(self.config, kind, pixels, num_features)
@@ -172,7 +189,8 @@ class VisionLanguageModel(nn.Module):
                 f"{origin}, so input_ids must hold {num_features} {name} tokens ({kind}_token_id), but {num_slots} "
                 "were found"
             )
-        return x_BSD.index_put((slots_BS,), features_ND)
+        layers = [x_BSD.new_zeros(x_BSD.shape).index_put((slots_BS,), f.to(x_BSD.dtype)) for f in layers_ND]
+        return x_BSD.index_put((slots_BS,), features_ND), layers
 
     @torch.no_grad()
     def init_weights(self) -> None:

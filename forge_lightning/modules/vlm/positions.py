@@ -160,6 +160,12 @@ def _sample_positions(
                 f"sample {sample}, token {start}: {grids[token].name}[{index}] ({[int(g) for g in grid]}, merge "
                 f"{merge}) needs {count} consecutive placeholder tokens (id {token})"
             )
+        if start + count < len(ids) and int(ids[start + count]) == token:
+            raise ValueError(
+                f"sample {sample}, token {start}: the placeholder run (id {token}) is longer than the {count} "
+                f"tokens of {grids[token].name}[{index}] ({[int(g) for g in grid]}, merge {merge}); items need text "
+                "between them (<|vision_start|> / <|vision_end|>; Qwen3-VL: each video frame after its timestamp)"
+            )
         interval = video_intervals[index] if token == video_token_id and video_intervals is not None else 1
         chunks.append(_vision_positions(t, h, w, current, interval, ids.device))
         current += max(h, w)

@@ -41,7 +41,7 @@ from forge_lightning.modules.layers import (
     attention,
     init_linear,
 )
-from forge_lightning.modules.layers.attention import ATTENTION_BACKENDS
+from forge_lightning.modules.layers.attention import check_attention_backend
 from forge_lightning.modules.layers.init import reset_owned_parameters
 from forge_lightning.modules.layers.state_dict import load_exact
 from forge_lightning.modules.vlm.patches import check_grids, frame_ids, patch_positions, window_order
@@ -70,8 +70,30 @@ _POSITIVE_INTS = (
 )
 
 
+class QwenViTShape:
+    """The derived sizes of a Qwen-VL ViT config (one with ``hidden_size``, ``num_heads``, ``in_channels`` and the
+    patch sizes)."""
+
+    hidden_size: int
+    num_heads: int
+    in_channels: int
+    patch_size: int
+    temporal_patch_size: int
+
+    @property
+    def head_dim(self) -> int:
+        """Size of one attention head."""
+        return self.hidden_size // self.num_heads
+
+    @property
+    def patch_dim(self) -> int:
+        """Values per patch, the width of a ``pixel_values`` row: ``in_channels * temporal_patch_size *
+        patch_size ** 2``."""
+        return self.in_channels * self.temporal_patch_size * self.patch_size**2
+
+
 @dataclass(kw_only=True)
-class Qwen25VisionConfig:
+class Qwen25VisionConfig(QwenViTShape):
     """Architecture of the Qwen2.5-VL vision encoder (the ``vision_config`` of a Qwen2.5-VL ``config.json``).
 
     Args:
@@ -109,15 +131,7 @@ class Qwen25VisionConfig:
     initializer_range: float = 0.02
 
     def __post_init__(self) -> None:
-        for name in _POSITIVE_INTS:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ValueError(f"vision.{name} ({value!r}) must be a positive integer")
-        if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
-            raise ValueError(
-                f"vision.num_heads ({self.num_heads}) must divide vision.hidden_size ({self.hidden_size}) into "
-                "heads of a multiple of 4 (the 2-D RoPE rotates half of each head by the row, half by the column)"
-            )
+        check_vit_shape(self, _POSITIVE_INTS)
         self.full_attention_layers = list(self.full_attention_layers)
         bad = [
             i for i in self.full_attention_layers if not isinstance(i, int) or not 0 <= i < self.num_layers
@@ -136,21 +150,6 @@ class Qwen25VisionConfig:
             raise ValueError(
                 f"vision.hidden_act ({self.hidden_act!r}) is not supported; only 'silu' (SwiGLU) is"
             )
-        if not self.rope_theta > 0:
-            raise ValueError(f"vision.rope_theta ({self.rope_theta}) must be positive")
-        if self.initializer_range < 0:
-            raise ValueError(f"vision.initializer_range ({self.initializer_range}) must be non-negative")
-
-    @property
-    def head_dim(self) -> int:
-        """Size of one attention head."""
-        return self.hidden_size // self.num_heads
-
-    @property
-    def patch_dim(self) -> int:
-        """Values per patch, the width of a ``pixel_values`` row: ``in_channels * temporal_patch_size *
-        patch_size ** 2``."""
-        return self.in_channels * self.temporal_patch_size * self.patch_size**2
 
     @property
     def window_units(self) -> int:
@@ -174,26 +173,7 @@ class Qwen25VisionConfig:
             ValueError: a required field is missing, ``in_channels`` and ``in_chans`` disagree, the rope type is
                 not ``axial``, or a value fails the checks of :class:`Qwen25VisionConfig`.
         """
-        hf = hf.get("vision_config", hf)
-        missing = [k for k in _HF_REQUIRED if k not in hf]
-        if missing:
-            raise ValueError(f"vision_config lacks required fields: {', '.join(missing)}")
-        fields = {f.name for f in dataclasses.fields(cls)}
-        values = {_HF_RENAMES.get(k, k): v for k, v in hf.items() if _HF_RENAMES.get(k, k) in fields}
-        if "in_chans" in hf:
-            if hf.get("in_channels", hf["in_chans"]) != hf["in_chans"]:
-                raise ValueError(
-                    f"vision_config in_channels ({hf['in_channels']}) and in_chans ({hf['in_chans']}) disagree"
-                )
-            values["in_channels"] = hf["in_chans"]
-        rope = hf.get("rope_parameters") or {}
-        if rope.get("rope_type", "axial") != "axial":
-            raise ValueError(
-                f"vision_config rope_type ({rope['rope_type']!r}) is not supported; only 'axial' is"
-            )
-        if "rope_theta" in rope:
-            values["rope_theta"] = rope["rope_theta"]
-        return cls(**values)
+        return cls(**vit_fields_from_hf(cls, hf.get("vision_config", hf), _HF_RENAMES, _HF_REQUIRED))
 
     def to_hf(self) -> dict[str, Any]:
         """The ``vision_config`` dict transformers builds this encoder from (``in_chans`` written too)."""
@@ -202,6 +182,57 @@ class Qwen25VisionConfig:
         hf["in_chans"] = self.in_channels
         hf["rope_parameters"] = {"rope_type": "axial", "rope_theta": self.rope_theta}
         return hf
+
+
+def check_vit_shape(config: Any, positive_ints: tuple[str, ...]) -> None:
+    """The checks every Qwen-VL ViT config shares: ``positive_ints`` are positive integers, the heads split for the
+    2-D RoPE, ``rope_theta`` and ``initializer_range`` in range.
+
+    Raises:
+        ValueError: naming the field and its value.
+    """
+    for name in positive_ints:
+        value = getattr(config, name)
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"vision.{name} ({value!r}) must be a positive integer")
+    if config.hidden_size % config.num_heads or (config.hidden_size // config.num_heads) % 4:
+        raise ValueError(
+            f"vision.num_heads ({config.num_heads}) must divide vision.hidden_size ({config.hidden_size}) into "
+            "heads of a multiple of 4 (the 2-D RoPE rotates half of each head by the row, half by the column)"
+        )
+    if not config.rope_theta > 0:
+        raise ValueError(f"vision.rope_theta ({config.rope_theta}) must be positive")
+    if config.initializer_range < 0:
+        raise ValueError(f"vision.initializer_range ({config.initializer_range}) must be non-negative")
+
+
+def vit_fields_from_hf(
+    cls: type, hf: Mapping[str, Any], renames: Mapping[str, str], required: tuple[str, ...]
+) -> dict[str, Any]:
+    """The fields of the dataclass ``cls`` in a Qwen-VL ``vision_config`` dict: keys renamed by ``renames``, the
+    legacy ``in_chans`` and the axial ``rope_parameters`` read; keys that are no field are ignored.
+
+    Raises:
+        ValueError: a ``required`` key is missing, ``in_channels`` and ``in_chans`` disagree, or the rope type is
+            not ``axial``.
+    """
+    missing = [k for k in required if k not in hf]
+    if missing:
+        raise ValueError(f"vision_config lacks required fields: {', '.join(missing)}")
+    fields = {f.name for f in dataclasses.fields(cls)}
+    values = {renames.get(k, k): v for k, v in hf.items() if renames.get(k, k) in fields}
+    if "in_chans" in hf:
+        if hf.get("in_channels", hf["in_chans"]) != hf["in_chans"]:
+            raise ValueError(
+                f"vision_config in_channels ({hf['in_channels']}) and in_chans ({hf['in_chans']}) disagree"
+            )
+        values["in_channels"] = hf["in_chans"]
+    rope = hf.get("rope_parameters") or {}
+    if rope.get("rope_type", "axial") != "axial":
+        raise ValueError(f"vision_config rope_type ({rope['rope_type']!r}) is not supported; only 'axial' is")
+    if "rope_theta" in rope:
+        values["rope_theta"] = rope["rope_theta"]
+    return values
 
 
 _HF_KEYS = (
@@ -250,27 +281,31 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 class PatchEmbed(nn.Module):
-    """Linear embedding of flattened ``C x T x P x P`` patches, stored as transformers' bias-free ``Conv3d``.
+    """Linear embedding of flattened ``C x T x P x P`` patches, stored as transformers' ``Conv3d`` (bias-free in
+    Qwen2.5-VL, biased in Qwen3-VL).
 
     Args:
-        config: the encoder's configuration.
+        config: the encoder's configuration (``in_channels``, ``hidden_size``, the patch sizes).
+        bias: whether the projection has a bias.
     """
 
-    def __init__(self, config: Qwen25VisionConfig) -> None:
+    def __init__(self, config: Any, *, bias: bool = False) -> None:
         super().__init__()
         self.init_std = config.initializer_range
         kernel = (config.temporal_patch_size, config.patch_size, config.patch_size)
-        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(config.in_channels, config.hidden_size, kernel, stride=kernel, bias=bias)
 
     def reset_parameters(self) -> None:
         nn.init.normal_(self.proj.weight, mean=0.0, std=self.init_std)
+        if self.proj.bias is not None:
+            nn.init.zeros_(self.proj.bias)
 
     def forward(self, pixel_values_NP: Tensor) -> Tensor:
         """``[N, C*T*P*P]`` patches (``C, T, P, P`` row-major, as the processor writes them) to ``[N, hidden]``."""
         # A convolution whose kernel covers its whole input is a matrix product: F.linear on the flattened kernel
         # gives the same numbers without the slow Conv3d kernels.
         weight = self.proj.weight
-        return F.linear(pixel_values_NP.to(weight.dtype), weight.flatten(1))
+        return F.linear(pixel_values_NP.to(weight.dtype), weight.flatten(1), self.proj.bias)
 
 
 class VisionAttention(nn.Module):
@@ -305,16 +340,26 @@ class VisionAttention(nn.Module):
 class VisionBlock(nn.Module):
     """Pre-RMSNorm ViT block: ``x + attn(norm1(x))`` then ``x + mlp(norm2(x))`` (biased SwiGLU MLP).
 
+    Subclasses change the norms and the MLP through :meth:`build_norm` and :meth:`build_mlp`.
+
     Args:
         config: the encoder's configuration.
     """
 
-    def __init__(self, config: Qwen25VisionConfig) -> None:
+    def __init__(self, config: Any) -> None:
         super().__init__()
-        self.norm1 = RMSNorm(config.hidden_size, NORM_EPS)
+        self.norm1 = self.build_norm(config.hidden_size)
         self.attn = VisionAttention(config.hidden_size, config.num_heads, init_std=config.initializer_range)
-        self.norm2 = RMSNorm(config.hidden_size, NORM_EPS)
-        self.mlp = GatedMLP(
+        self.norm2 = self.build_norm(config.hidden_size)
+        self.mlp = self.build_mlp(config)
+
+    def build_norm(self, hidden_size: int) -> nn.Module:
+        """``norm1`` / ``norm2``."""
+        return RMSNorm(hidden_size, NORM_EPS)
+
+    def build_mlp(self, config: Any) -> nn.Module:
+        """``mlp``."""
+        return GatedMLP(
             config.hidden_size, config.intermediate_size, bias=True, init_std=config.initializer_range
         )
 
@@ -367,12 +412,8 @@ class Qwen25VisionTransformer(nn.Module):
 
     def __init__(self, config: Qwen25VisionConfig, *, attention_backend: str = "auto") -> None:
         super().__init__()
-        if attention_backend not in ATTENTION_BACKENDS:  # the name early; the device is checked at forward
-            raise ValueError(
-                f"attention_backend ({attention_backend!r}) must be one of {', '.join(ATTENTION_BACKENDS)}"
-            )
         self.config = config
-        self.attention_backend = attention_backend
+        self.attention_backend = check_attention_backend(attention_backend)
         self.patch_embed = PatchEmbed(config)
         self.rotary_pos_emb = AxialRotaryEmbedding(config.head_dim, num_axes=2, theta=config.rope_theta)
         self.blocks = nn.ModuleList(VisionBlock(config) for _ in range(config.num_layers))

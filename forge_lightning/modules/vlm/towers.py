@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from forge_lightning.modules.vlm.positions import get_rope_index
 from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionTransformer
+from forge_lightning.modules.vlm.qwen3_vit import Qwen3VisionTransformer
 from forge_lightning.modules.vlm.siglip import SiglipVisionTransformer, check_layers
 
 
@@ -41,6 +42,13 @@ class VisionTower:
     def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:
         """The encoder's features of ``pixels``, one row per placeholder token: ``[num_tokens, out_hidden_size]``."""
         raise NotImplementedError
+
+    def encode_layers(
+        self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str
+    ) -> tuple[Tensor, list[Tensor]]:
+        """:meth:`encode`'s features and those the LLM adds after its first decoder layers at the placeholder
+        tokens (DeepStack), one ``[num_tokens, llm hidden]`` tensor per layer; none by default."""
+        return self.encode(encoder, pixels, grid_thw, kind), []
 
     def describe_count(self, config: Any, kind: str, pixels: Tensor, num_features: int) -> str:
         """Where ``num_features`` features of ``pixels`` come from, for the placeholder-count error."""
@@ -86,9 +94,7 @@ class Qwen25VisionTower(VisionTower):
         return f"<|{kind}_pad|>"
 
     def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:
-        if grid_thw is None:
-            raise ValueError(f"{kind} pixels need their {kind}_grid_thw")
-        return encoder(pixels, grid_thw)
+        return encoder(pixels, _grid(grid_thw, kind))
 
     def describe_count(self, config: Any, kind: str, pixels: Tensor, num_features: int) -> str:
         return (
@@ -137,9 +143,51 @@ class Qwen25VisionTower(VisionTower):
             image_grid_thw=image_grid_thw,
             video_grid_thw=video_grid_thw,
             second_per_grid_ts=second_per_grid_ts,
-            tokens_per_second=config.tokens_per_second if video_grid_thw is not None else None,
             attention_mask=attention_mask,
+            **self.video_timing(config, video_grid_thw),
         )
+
+    def video_timing(self, config: Any, video_grid_thw: Tensor | None) -> dict[str, Any]:
+        """How :func:`~forge_lightning.modules.vlm.positions.get_rope_index` spaces video frames: by
+        ``tokens_per_second``."""
+        return {"tokens_per_second": config.tokens_per_second if video_grid_thw is not None else None}
+
+
+class Qwen3VisionTower(Qwen25VisionTower):
+    """Qwen3-VL: Qwen2.5-VL's inputs and placeholders, DeepStack features, and interleaved M-RoPE positions in which
+    every video frame is its own item (``split_video_frames``: the processor puts timestamp text between frames, so
+    time advances through the text and there is no ``second_per_grid_ts``)."""
+
+    inputs = frozenset({"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"})
+
+    def build(self, config: Any, attention_backend: str) -> nn.Module:
+        return Qwen3VisionTransformer(config, attention_backend=attention_backend)
+
+    def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:
+        return self.encode_layers(encoder, pixels, grid_thw, kind)[0]
+
+    def encode_layers(
+        self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str
+    ) -> tuple[Tensor, list[Tensor]]:
+        return encoder(pixels, _grid(grid_thw, kind))
+
+    def video_timing(self, config: Any, video_grid_thw: Tensor | None) -> dict[str, Any]:
+        """Every frame its own item: time advances through the timestamp text."""
+        return {"split_video_frames": True}
+
+    def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None) -> float:
+        """Every block attends over whole frames; the merger and the DeepStack mergers run once per merged token,
+        the position table is a lookup."""
+        c = encoder.config
+        mergers = [encoder.merger, *encoder.deepstack_merger_list]
+        merger = sum(p.numel() for m in mergers for p in m.parameters())
+        table = encoder.pos_embed.weight.numel()
+        per_patch = sum(p.numel() for p in encoder.parameters()) - merger - table
+        num_patches = pixels.shape[0]
+        flops = 6.0 * (per_patch * num_patches + merger * num_patches / c.spatial_merge_size**2)
+        for t, h, w in [] if grid_thw is None else grid_thw.tolist():
+            flops += 12.0 * c.hidden_size * c.num_layers * t * (h * w) ** 2
+        return flops
 
 
 class SiglipVisionTower(VisionTower):
@@ -205,5 +253,15 @@ def _spans(length: int, size: int) -> list[int]:
     return [min(size, length - start) for start in range(0, length, size)]
 
 
-TOWERS: dict[str, VisionTower] = {"qwen2_5_vit": Qwen25VisionTower(), "siglip": SiglipVisionTower()}
+def _grid(grid_thw: Tensor | None, kind: str) -> Tensor:
+    if grid_thw is None:
+        raise ValueError(f"{kind} pixels need their {kind}_grid_thw")
+    return grid_thw
+
+
+TOWERS: dict[str, VisionTower] = {
+    "qwen2_5_vit": Qwen25VisionTower(),
+    "qwen3_vit": Qwen3VisionTower(),
+    "siglip": SiglipVisionTower(),
+}
 """The tower of each ``vision.type`` (the keys of :data:`~forge_lightning.modules.vlm.config.VISION_TYPES`)."""
