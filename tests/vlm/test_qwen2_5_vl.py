@@ -12,41 +12,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 from llm_parity import randomize_weights
-from tiny import TINY_QWEN2_5_VL_TEXT
+from qwen2_5_vl_case import IMAGE, IMG_A, IMG_B, IMG_C, START, VID, VIDEO, VOCAB
+from qwen2_5_vl_case import hf_config as _hf_config
+from qwen2_5_vl_case import patches as _pixels
+from qwen2_5_vl_case import text_ids as _text
+from qwen2_5_vl_case import vision_ids as _vision
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from forge_lightning.modules.vlm import VisionLanguageModel, VLMConfig, from_pretrained, save_pretrained
 
-VOCAB = 256
-IMAGE, VIDEO, START, END = 250, 251, 252, 253
-PATCH = 4
 LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4
-
-TEXT = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **TINY_QWEN2_5_VL_TEXT)
-VISION = dict(
-    depth=2,
-    fullatt_block_indexes=[1],
-    hidden_size=32,
-    intermediate_size=32,
-    num_heads=2,
-    out_hidden_size=64,
-    patch_size=PATCH,
-    window_size=4 * PATCH,  # two merged tokens per window side: the grids below span several windows
-    tokens_per_second=2,
-)
-IMG_A, IMG_B, IMG_C, VID = (1, 4, 6), (1, 6, 4), (1, 4, 4), (2, 4, 4)
-
-
-def _hf_config(tie: bool = False) -> Qwen2_5_VLConfig:
-    return Qwen2_5_VLConfig(
-        text_config=TEXT,
-        vision_config=VISION,
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-        tie_word_embeddings=tie,
-    )
 
 
 def _hf_checkpoint(path: Path, tie: bool = False) -> Qwen2_5_VLForConditionalGeneration:
@@ -62,20 +37,6 @@ def pair(tmp_path_factory) -> tuple[Qwen2_5_VLForConditionalGeneration, VisionLa
     path = tmp_path_factory.mktemp("hf")
     hf = _hf_checkpoint(path)
     return hf, from_pretrained(path)
-
-
-def _text(n: int, seed: int) -> list[int]:
-    return torch.randint(3, 240, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
-
-
-def _vision(token: int, grid: tuple[int, int, int]) -> list[int]:
-    """A placeholder run as the processor writes it: one pad token per merged patch."""
-    return [START] + [token] * (grid[0] * grid[1] * grid[2] // 4) + [END]
-
-
-def _pixels(grids: list[tuple[int, int, int]], seed: int) -> torch.Tensor:
-    num_patches = sum(t * h * w for t, h, w in grids)
-    return torch.randn(num_patches, 3 * 2 * PATCH**2, generator=torch.Generator().manual_seed(seed))
 
 
 def _right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
