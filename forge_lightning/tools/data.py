@@ -5,7 +5,8 @@ documents into a Megatron indexed dataset (``OUT.bin`` / ``OUT.idx``). ``forge-d
 --vocab-size N --output DIR`` trains a byte-level BPE tokenizer. ``forge-data quickstart --output DIR`` builds
 the quick-start data (tokenizer + dataset) from the Python standard library's own sources. ``forge-data sft --check
 FILE --tokenizer DIR [--template NAME] [--num N]`` prints rendered chat samples with the trained tokens highlighted.
-``forge-data sft-quickstart --output DIR`` writes the fine-tuning quick start's chat data and tokenizer. Later
+``forge-data sft-quickstart --output DIR`` writes the fine-tuning quick start's chat data and tokenizer.
+``forge-data vlm-pack`` packs vision-language records into rows offline (:mod:`forge_lightning.tools.vlm_pack`). Later
 subcommands plug in as one function each in ``COMMANDS``.
 
 Inputs are ``.jsonl`` files (one document per line, text under ``--json-key``), ``.txt`` files (one document
@@ -50,7 +51,7 @@ from forge_lightning.datamodules.tokenizer import (
     load_tokenizer,
     train_bpe_tokenizer,
 )
-from forge_lightning.tools import lerobot_data
+from forge_lightning.tools import lerobot_data, vlm_pack
 
 INPUT_SUFFIXES = (".jsonl", ".txt")
 QUICKSTART_PREFIX = "stdlib_text_document"
@@ -676,6 +677,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_sft,
     _add_sft_quickstart,
     lerobot_data.add_commands,
+    vlm_pack.add_commands,
 ]
 
 
