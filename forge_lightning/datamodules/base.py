@@ -57,7 +57,7 @@ class StepDataModule(pl.LightningDataModule):
     def train_dataloader(self) -> StepLoader:
         size, rank = self._dp()
         accumulate = self.trainer.accumulate_grad_batches if self.trainer is not None else 1
-        self._train_loader = StepLoader(
+        self._train_loader = self._make_train_loader(
             self.train_dataset,
             batch_size=self.batch_size,
             num_replicas=size,
@@ -70,6 +70,10 @@ class StepDataModule(pl.LightningDataModule):
             label_key=self.label_key,
         )
         return self._train_loader
+
+    def _make_train_loader(self, dataset: Dataset, **options: Any) -> StepLoader:
+        """The training loader of ``dataset`` (subclasses may return a :class:`StepLoader` subclass)."""
+        return StepLoader(dataset, **options)
 
     @override
     def val_dataloader(self) -> ShardedLoader | list:

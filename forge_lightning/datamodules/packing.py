@@ -24,7 +24,14 @@ from torch.utils.data import Dataset
 from forge_lightning.modules.layers.attention import document_positions
 
 
-def best_fit_pack(lengths: Sequence[int], capacity: int, *, buffer_size: int = 64) -> list[list[int]]:
+def best_fit_pack(
+    lengths: Sequence[int],
+    capacity: int,
+    *,
+    buffer_size: int = 64,
+    extra_sizes: Sequence[int] | None = None,
+    extra_capacity: int | None = None,
+) -> list[list[int]]:
     """Group sample indices into bins of at most ``capacity`` tokens, online, with best-fit placement.
 
     Samples are taken in order. Each goes to the open bin with the least room left that still fits it, or opens a
@@ -35,31 +42,57 @@ def best_fit_pack(lengths: Sequence[int], capacity: int, *, buffer_size: int = 6
         lengths: tokens of each sample.
         capacity: tokens per bin (the packed sequence length).
         buffer_size: most bins kept open at once.
+        extra_sizes: a second size of each sample that a bin also bounds (e.g. its vision-encoder patches).
+        extra_capacity: the most ``extra_sizes`` per bin (needed with ``extra_sizes``).
 
     Returns:
         Lists of sample indices, one per bin, in the order the bins were closed.
     """
     if capacity < 1 or buffer_size < 1:
         raise ValueError(f"capacity ({capacity}) and buffer_size ({buffer_size}) must be positive")
+    if (extra_sizes is None) != (extra_capacity is None):
+        raise ValueError("extra_sizes and extra_capacity go together: give both or neither")
+    extras = [0] * len(lengths) if extra_sizes is None else extra_sizes
+    extra_capacity = 0 if extra_capacity is None else extra_capacity
     bins: list[list[int]] = []
     rooms: list[int] = []
+    extra_rooms: list[int] = []
     closed: list[list[int]] = []
-    for index, length in enumerate(lengths):
+    for index, (length, extra) in enumerate(zip(lengths, extras, strict=True)):
         if not 0 < length <= capacity:
             raise ValueError(f"sample {index} has {length} tokens; packing needs 1..capacity ({capacity})")
-        fits = [k for k, room in enumerate(rooms) if room >= length]
+        if extra > extra_capacity:
+            raise ValueError(
+                f"sample {index} has extra size {extra}, more than extra_capacity ({extra_capacity})"
+            )
+        fits = [k for k, room in enumerate(rooms) if room >= length and extra_rooms[k] >= extra]
         if fits:
             best = min(fits, key=rooms.__getitem__)
             bins[best].append(index)
             rooms[best] -= length
+            extra_rooms[best] -= extra
         else:
             bins.append([index])
             rooms.append(capacity - length)
+            extra_rooms.append(extra_capacity - extra)
         if len(bins) > buffer_size:
             fullest = min(range(len(rooms)), key=rooms.__getitem__)
             closed.append(bins.pop(fullest))
             rooms.pop(fullest)
+            extra_rooms.pop(fullest)
     return closed + bins
+
+
+def shuffled_best_fit_pack(
+    lengths: Sequence[int], capacity: int, *, seed: int, buffer_size: int = 64, **extra: Any
+) -> list[list[int]]:
+    """:func:`best_fit_pack` of the samples taken in a seeded random order (so bins mix the data set's sources);
+    ``extra``: its ``extra_sizes`` / ``extra_capacity``. Returns bins of indices into ``lengths``."""
+    order = np.random.default_rng(seed).permutation(len(lengths))
+    if extra.get("extra_sizes") is not None:
+        extra = {**extra, "extra_sizes": [extra["extra_sizes"][i] for i in order]}
+    bins = best_fit_pack([lengths[i] for i in order], capacity, buffer_size=buffer_size, **extra)
+    return [[int(order[i]) for i in b] for b in bins]
 
 
 class PackedDataset(Dataset):
@@ -92,7 +125,11 @@ class PackedDataset(Dataset):
         return len(self.bins)
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        samples = [self.dataset[i] for i in self.bins[index]]
+        return self.pack([self.dataset[i] for i in self.bins[index]], index)
+
+    def pack(self, samples: list[dict[str, torch.Tensor]], index: int) -> dict[str, torch.Tensor]:
+        """The packed sequence of the ``samples`` of bin ``index``: their ``input_ids`` and ``labels``, then
+        padding, with ``position_ids`` and ``document_ids``."""
         lengths = [len(s["input_ids"]) for s in samples]
         padding = self.seq_length - sum(lengths)
         if padding < 0:

@@ -14,7 +14,7 @@ from typing_extensions import override
 
 from forge_lightning.datamodules.base import TokenDataModule
 from forge_lightning.datamodules.chat import FORMATS, ChatEncoder, Conversation, read_conversations
-from forge_lightning.datamodules.packing import PackedDataset, best_fit_pack, pad_collate
+from forge_lightning.datamodules.packing import PackedDataset, pad_collate, shuffled_best_fit_pack
 
 OVERLONG = ("truncate", "drop")
 
@@ -228,10 +228,8 @@ class SFTDataModule(TokenDataModule):
             self.val_dataset, self._val_conversations = self._load(self.val_files, "val")
 
     def _packed(self, dataset: SFTDataset) -> PackedDataset:
-        order = np.random.default_rng(self.seed).permutation(len(dataset))
         lengths = dataset.lengths()
-        bins = best_fit_pack([lengths[i] for i in order], self.seq_length, buffer_size=self.pack_buffer)
-        bins = [[int(order[i]) for i in b] for b in bins]
+        bins = shuffled_best_fit_pack(lengths, self.seq_length, seed=self.seed, buffer_size=self.pack_buffer)
         packed = PackedDataset(dataset, bins, self.seq_length, pad_id=self.pad_id)
         padding = 1 - sum(lengths) / (len(bins) * self.seq_length)
         rank_zero_info(

@@ -6,7 +6,8 @@ documents into a Megatron indexed dataset (``OUT.bin`` / ``OUT.idx``). ``forge-d
 the quick-start data (tokenizer + dataset) from the Python standard library's own sources. ``forge-data sft --check
 FILE --tokenizer DIR [--template NAME] [--num N]`` prints rendered chat samples with the trained tokens highlighted.
 ``forge-data sft-quickstart --output DIR`` writes the fine-tuning quick start's chat data and tokenizer;
-``forge-data vlm-quickstart --output DIR`` the vision-language one's images, questions and tokenizer. Later
+``forge-data vlm-quickstart --output DIR`` the vision-language one's images, questions and tokenizer.
+``forge-data vlm-pack`` packs vision-language records into rows offline (:mod:`forge_lightning.tools.vlm_pack`). Later
 subcommands plug in as one function each in ``COMMANDS``.
 
 Inputs are ``.jsonl`` files (one document per line, text under ``--json-key``), ``.txt`` files (one document
@@ -51,7 +52,7 @@ from forge_lightning.datamodules.tokenizer import (
     load_tokenizer,
     train_bpe_tokenizer,
 )
-from forge_lightning.tools import lerobot_data
+from forge_lightning.tools import lerobot_data, vlm_pack
 
 INPUT_SUFFIXES = (".jsonl", ".txt")
 QUICKSTART_PREFIX = "stdlib_text_document"
@@ -723,6 +724,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_sft_quickstart,
     _add_vlm_quickstart,
     lerobot_data.add_commands,
+    vlm_pack.add_commands,
 ]
 
 

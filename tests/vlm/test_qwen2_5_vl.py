@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from qwen2_5_vl_case import IMG_A, IMG_B, IMG_C, PATCH, TEXT, VID, VISION
+from qwen2_5_vl_case import hf_config as _hf_config
 from qwen_vl_parity import (
-    END,
     IMAGE,
     START,
     VIDEO,
@@ -24,37 +25,9 @@ from qwen_vl_parity import (
     right_padded,
     text,
 )
-from tiny import TINY_QWEN2_5_VL_TEXT
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
 from forge_lightning.modules.vlm import VisionLanguageModel, VLMConfig, from_pretrained
-
-PATCH = 4
-
-TEXT = dict(vocab_size=VOCAB, bos_token_id=1, eos_token_id=2, **TINY_QWEN2_5_VL_TEXT)
-VISION = dict(
-    depth=2,
-    fullatt_block_indexes=[1],
-    hidden_size=32,
-    intermediate_size=32,
-    num_heads=2,
-    out_hidden_size=64,
-    patch_size=PATCH,
-    window_size=4 * PATCH,  # two merged tokens per window side: the grids below span several windows
-    tokens_per_second=2,
-)
-IMG_A, IMG_B, IMG_C, VID = (1, 4, 6), (1, 6, 4), (1, 4, 4), (2, 4, 4)
-
-
-def _hf_config() -> Qwen2_5_VLConfig:
-    return Qwen2_5_VLConfig(
-        text_config=TEXT,
-        vision_config=VISION,
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-    )
 
 
 def _hf_checkpoint(path: Path, tie: bool = False) -> Qwen2_5_VLForConditionalGeneration:

@@ -5,15 +5,26 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Sequence
+from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_info
+from torch.utils.data import Dataset
 from typing_extensions import override
 
 from forge_lightning.datamodules.base import TokenDataModule
 from forge_lightning.datamodules.chat import ChatEncoder
+from forge_lightning.datamodules.loader import StepLoader
 from forge_lightning.datamodules.sft import GenerationReference
-from forge_lightning.datamodules.vlm.dataset import VLMDataset, load_images, vlm_collate
+from forge_lightning.datamodules.vlm.balance import BalancedStepLoader, CostModel, item_costs
+from forge_lightning.datamodules.vlm.dataset import VLMDataset, load_images
 from forge_lightning.datamodules.vlm.encoding import VLMEncoder
+from forge_lightning.datamodules.vlm.packing import (
+    VLMPackedDataset,
+    pack_bins,
+    padding_fraction,
+    read_bins,
+    vlm_batch_collate,
+)
 from forge_lightning.datamodules.vlm.scan import ON_BAD_SAMPLE, ScanReport, VLMSample, scan_files
 from forge_lightning.datamodules.vlm.vision_inputs import PROCESSORS, VisionInputs
 
@@ -26,6 +37,10 @@ class VLMDataModule(TokenDataModule):
     turns); bad ones are skipped and counted in one summary line, or raised (``on_bad_sample="error"``). Batches are
     right-padded: ``input_ids``, ``attention_mask``, ``labels`` (shifted next tokens, -100 where not trained, as in
     SFT), plus ``pixel_values`` (and ``image_grid_thw`` for ``qwen2_vl``) when a sample of the batch has an image.
+    With ``pack``, training batches are packed rows instead (see :mod:`~forge_lightning.datamodules.vlm.packing`):
+    ``input_ids``, ``labels``, ``document_ids``, ``position_ids`` ``[B, seq_length]`` (``[3, B, seq_length]``
+    positions for ``qwen2_vl``) and the rows' pixel inputs; with ``balance``, each global micro-batch is split over
+    the data-parallel ranks by estimated compute (see :mod:`~forge_lightning.datamodules.vlm.balance`).
 
     Args:
         train_files: data file(s) of training records.
@@ -44,6 +59,13 @@ class VLMDataModule(TokenDataModule):
         image_size: ``fixed``: side of the square images are resized to (default 384).
         on_bad_sample: ``skip`` (count and leave out) or ``error`` (raise the first bad record).
         verify_pixels: decode every image at setup too (slow; finds truncated JPEGs that ``verify()`` misses).
+        pack: pack training samples into ``seq_length`` rows (best fit over a buffer, in a seeded order).
+        pack_buffer: open rows the online packer keeps.
+        max_patches_per_row: with ``pack``, the most vision-encoder patches of a row (bounds the encoder's memory).
+        packed_bins: a bins file of ``forge-data vlm-pack`` to pack by (implies ``pack``; the packer options are
+            the file's).
+        balance: split each global micro-batch over the data-parallel ranks by estimated compute.
+        balance_cost: the cost model of ``balance`` (default: Qwen2.5-VL-7B's sizes).
         batch_size: micro-batch per data-parallel rank.
         seed: seed of the per-epoch sample order.
         num_workers: DataLoader workers per rank.
@@ -69,6 +91,12 @@ class VLMDataModule(TokenDataModule):
         image_size: int | None = None,
         on_bad_sample: str = "skip",
         verify_pixels: bool = False,
+        pack: bool = False,
+        pack_buffer: int = 64,
+        max_patches_per_row: int | None = None,
+        packed_bins: str | None = None,
+        balance: bool = False,
+        balance_cost: CostModel | None = None,
         batch_size: int = 8,
         seed: int = 1234,
         num_workers: int = 2,
@@ -81,8 +109,10 @@ class VLMDataModule(TokenDataModule):
             raise ValueError(f"processor ({processor!r}) must be one of {', '.join(PROCESSORS)}")
         if on_bad_sample not in ON_BAD_SAMPLE:
             raise ValueError(f"on_bad_sample ({on_bad_sample!r}) must be one of {', '.join(ON_BAD_SAMPLE)}")
-        if seq_length < 1:
-            raise ValueError(f"seq_length ({seq_length}) must be positive")
+        if seq_length < 1 or pack_buffer < 1:
+            raise ValueError(f"seq_length ({seq_length}) and pack_buffer ({pack_buffer}) must be positive")
+        if max_patches_per_row is not None and not (pack or packed_bins):
+            raise ValueError("max_patches_per_row caps packed rows: set pack too, or leave it unset")
         given = {
             "min_pixels": min_pixels,
             "max_pixels": max_pixels,
@@ -107,6 +137,12 @@ class VLMDataModule(TokenDataModule):
         self.processor = processor
         self.on_bad_sample = on_bad_sample
         self.verify_pixels = verify_pixels
+        self.pack = pack or packed_bins is not None
+        self.pack_buffer = pack_buffer
+        self.max_patches_per_row = max_patches_per_row
+        self.packed_bins = packed_bins
+        self.balance = balance
+        self.balance_cost = balance_cost or CostModel()
         self.reports: dict[str, ScanReport] = {}
         self._encoder: VLMEncoder | None = None
         self._val_samples: list[VLMSample] = []
@@ -158,11 +194,35 @@ class VLMDataModule(TokenDataModule):
     @override
     def setup(self, stage: str) -> None:
         self.encoder  # noqa: B018 -- checks the tokenizer's image tokens before any file is read
-        self.collate_fn = functools.partial(vlm_collate, pad_id=self.pad_id)
+        self.collate_fn = functools.partial(vlm_batch_collate, pad_id=self.pad_id)
         if stage == "fit" and self.train_dataset is None:
-            self.train_dataset, _ = self._load(self.train_files, "train")
+            train, _ = self._load(self.train_files, "train")
+            self.train_dataset = self._packed(train) if self.pack else train
         if self.val_files and self.val_dataset is None:
             self.val_dataset, self._val_samples = self._load(self.val_files, "val")
+
+    def _packed(self, dataset: VLMDataset) -> VLMPackedDataset:
+        if self.packed_bins is not None:
+            bins = read_bins(self.packed_bins, dataset, self.seq_length)
+        else:
+            bins = pack_bins(
+                dataset,
+                self.seq_length,
+                seed=self.seed,
+                buffer_size=self.pack_buffer,
+                max_patches_per_row=self.max_patches_per_row,
+            )
+        rank_zero_info(
+            f"VLM packing: {sum(map(len, bins))} samples into {len(bins)} rows of {self.seq_length} "
+            f"({padding_fraction(dataset, bins, self.seq_length):.1%} padding)"
+        )
+        return VLMPackedDataset(dataset, bins, self.seq_length, pad_id=self.pad_id)
+
+    @override
+    def _make_train_loader(self, dataset: Dataset, **options: Any) -> StepLoader:
+        if not self.balance:
+            return super()._make_train_loader(dataset, **options)
+        return BalancedStepLoader(dataset, costs=item_costs(dataset, self.balance_cost), **options)
 
     def generation_references(self, split: str = "val") -> list[GenerationReference]:
         """Prompts (the conversation before its last assistant turn, image tokens expanded, with the pixel inputs

@@ -111,7 +111,13 @@ def vlm_collate(
         labels[row, :n] = sample["labels"]
         attention_mask[row, :n] = 1
     batch = {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-    vision_keys = dict.fromkeys(k for s in samples for k in s if k not in TEXT_KEYS)
-    for key in vision_keys:
-        batch[key] = torch.cat([s[key] for s in samples if key in s])
-    return batch
+    return {**batch, **cat_pixel_inputs(samples)}
+
+
+def cat_pixel_inputs(
+    samples: Sequence[dict[str, torch.Tensor]], text_keys: Sequence[str] = TEXT_KEYS
+) -> dict:
+    """Each pixel input (every key but ``text_keys``) that any of ``samples`` has, concatenated in order along
+    dim 0."""
+    keys = dict.fromkeys(k for s in samples for k in s if k not in text_keys)
+    return {key: torch.cat([s[key] for s in samples if key in s]) for key in keys}

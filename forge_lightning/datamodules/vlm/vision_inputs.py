@@ -22,6 +22,7 @@ from PIL import Image
 from torch import Tensor
 
 from forge_lightning.datamodules.vlm.image_processor import Qwen2VLImageProcessor
+from forge_lightning.modules.vlm.positions import get_rope_index
 
 
 @runtime_checkable
@@ -50,6 +51,11 @@ class VisionInputs(Protocol):
     def process(self, images: Sequence[Image.Image]) -> dict[str, Tensor]:
         """The model's pixel inputs for RGB ``images`` of one sample, in order; concatenating those of several
         samples along dim 0 gives the batch's."""
+        ...
+
+    def positions(self, input_ids: Tensor, inputs: dict[str, Tensor]) -> Tensor | None:
+        """The LLM positions of one sample's ``input_ids [n]`` with its pixel ``inputs`` (what packing puts in a
+        row): ``[3, n]`` multimodal RoPE positions, or ``None`` for ``0 .. n-1``."""
         ...
 
 
@@ -146,6 +152,17 @@ class Qwen2VLVisionInputs:
         """``pixel_values [patches, patch_dim]`` and ``image_grid_thw [images, 3]``."""
         return self.processor.preprocess_images(images)
 
+    def positions(self, input_ids: Tensor, inputs: dict[str, Tensor]) -> Tensor:
+        """``[3, n]`` multimodal RoPE positions (:func:`~forge_lightning.modules.vlm.positions.get_rope_index`)."""
+        positions_3BN, _ = get_rope_index(
+            input_ids[None],
+            image_token_id=self.image_token_id,
+            video_token_id=-1,  # these samples hold images only: an id no token has
+            spatial_merge_size=self.processor.merge_size,
+            image_grid_thw=inputs.get("image_grid_thw"),
+        )
+        return positions_3BN[:, 0]
+
 
 class FixedResolutionVisionInputs:
     """Images of a fixed-resolution encoder (SigLIP; CLIP as in LLaVA): each resized to ``image_size`` square,
@@ -224,6 +241,10 @@ class FixedResolutionVisionInputs:
         )
         pixels_NHWC = self._table_C256[np.arange(3), pixels_NHWC]
         return {"pixel_values": torch.from_numpy(pixels_NHWC).permute(0, 3, 1, 2).contiguous()}
+
+    def positions(self, input_ids: Tensor, inputs: dict[str, Tensor]) -> None:
+        """``None``: 1-D positions ``0 .. n-1``, as LLaVA gives its LLM."""
+        return None
 
 
 PROCESSORS: dict[str, type[Qwen2VLVisionInputs] | type[FixedResolutionVisionInputs]] = {

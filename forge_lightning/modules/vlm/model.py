@@ -76,9 +76,11 @@ class VisionLanguageModel(nn.Module):
         video_grid_thw: Tensor | None = None,
         second_per_grid_ts: Tensor | Sequence[float] | None = None,
         image_sizes: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
     ) -> Tensor:
-        """Logits ``[B, S, vocab]``; the arguments are those transformers' processor gives (see
-        :meth:`hidden_states`)."""
+        """Logits ``[B, S, vocab]``; the arguments are those transformers' processor gives, plus packed rows'
+        ``document_ids`` / ``position_ids`` (see :meth:`hidden_states`)."""
         hidden_BSD = self.hidden_states(
             input_ids,
             attention_mask,
@@ -88,6 +90,8 @@ class VisionLanguageModel(nn.Module):
             video_grid_thw=video_grid_thw,
             second_per_grid_ts=second_per_grid_ts,
             image_sizes=image_sizes,
+            document_ids=document_ids,
+            position_ids=position_ids,
         )
         return self.llm.lm_head(hidden_BSD)
 
@@ -101,6 +105,8 @@ class VisionLanguageModel(nn.Module):
         video_grid_thw: Tensor | None = None,
         second_per_grid_ts: Tensor | Sequence[float] | None = None,
         image_sizes: Tensor | None = None,
+        document_ids: Tensor | None = None,
+        position_ids: Tensor | None = None,
         kv_cache: list[KVCache] | None = None,
     ) -> Tensor:
         """The LLM's final hidden states ``[B, S, hidden]`` (after its last norm; the loss applies ``lm_head``).
@@ -119,6 +125,11 @@ class VisionLanguageModel(nn.Module):
                 times its frames with timestamp text instead and refuses it.
             image_sizes: LLaVA: ``[num_images, 2]`` as its processors return it; every SigLIP image is resized to
                 ``image_size``, so it changes nothing (accepted so that a processor's output passes whole).
+            document_ids: packed rows: ``[B, S]`` non-decreasing document index of each token; the LLM attends within
+                each document and positions restart at each (the images and videos are those of the documents in
+                order). Takes no ``attention_mask``: padding is a document of its own.
+            position_ids: the LLM positions (``[3, B, S]`` Qwen-VL, ``[B, S]`` LLaVA), e.g. computed per sample
+                by the data pipeline; default: computed here (per document when ``document_ids`` are given).
             kv_cache: the LLM's empty per-layer caches (``llm.init_kv_cache``) to prefill with this prompt for
                 generation; decoding then continues on ``llm`` at positions shifted by the rope deltas of
                 :meth:`position_ids`.
@@ -145,15 +156,22 @@ class VisionLanguageModel(nn.Module):
             x_BSD, layers = self._insert(x_BSD, input_ids, kind, *media[kind])
             if layers:  # image and video placeholders differ, so their sum holds each at its own tokens
                 deepstack = [a + b for a, b in zip(deepstack, layers)] if deepstack else layers
-        position_ids, _ = self.position_ids(
-            input_ids, attention_mask, image_grid_thw, video_grid_thw, second_per_grid_ts
-        )
+        if document_ids is not None and attention_mask is not None:
+            raise ValueError(
+                "document_ids (packed rows) take no attention_mask: give the padding a document id of its own"
+            )
+        grids = (image_grid_thw, video_grid_thw, second_per_grid_ts)
+        if position_ids is None and document_ids is not None:
+            position_ids = self.tower.packed_positions(self.config, input_ids, document_ids, *grids)
+        elif position_ids is None:
+            position_ids, _ = self.position_ids(input_ids, attention_mask, *grids)
         mask_B11S = None if attention_mask is None else attention_mask.bool()[:, None, None, :]
         return self.llm.hidden_states(
             None,
             position_ids,
             inputs_embeds=x_BSD,
             attention_mask=mask_B11S,
+            document_ids=document_ids,
             kv_cache=kv_cache,
             layer_residuals=deepstack or None,
         )

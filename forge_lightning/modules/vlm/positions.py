@@ -21,6 +21,7 @@ so each frame is an item of its own (``t = 1``) and time advances through the te
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
 import torch
@@ -182,3 +183,38 @@ def _vision_positions(
     height = torch.arange(h, device=device) + start
     width = torch.arange(w, device=device) + start
     return torch.stack(torch.meshgrid(temporal, height, width, indexing="ij")).reshape(3, -1)
+
+
+def get_packed_rope_index(input_ids: Tensor, document_ids: Tensor, **options: object) -> Tensor:
+    """M-RoPE positions ``[3, B, S]`` of packed rows: :func:`get_rope_index` of each document on its own, so positions
+    restart at every document; the grids (and ``second_per_grid_ts``) are consumed in document order.
+
+    Args:
+        input_ids: token ids ``[B, S]``.
+        document_ids: ``[B, S]`` non-decreasing document index of each token of a row.
+        options: the keyword arguments of :func:`get_rope_index` (``attention_mask`` excepted).
+    """
+    if "attention_mask" in options:
+        raise ValueError("packed rows take no attention_mask: padding is a document of its own")
+    if document_ids.shape != input_ids.shape:
+        raise ValueError(
+            f"document_ids {list(document_ids.shape)} must have input_ids' shape {list(input_ids.shape)}"
+        )
+    batch, seq = input_ids.shape
+    spans = []  # (row, start, length) of every document, in order
+    for row in range(batch):
+        counts = torch.unique_consecutive(document_ids[row], return_counts=True)[1].tolist()
+        starts = [0, *itertools.accumulate(counts)][:-1]
+        spans += [(row, start, length) for start, length in zip(starts, counts)]
+    # One document per row of a right-padded batch: get_rope_index skips the padding via its attention_mask.
+    longest = max(length for _, _, length in spans)
+    ids_NL = input_ids.new_zeros(len(spans), longest)
+    mask_NL = torch.zeros(len(spans), longest, dtype=torch.bool, device=input_ids.device)
+    for n, (row, start, length) in enumerate(spans):
+        ids_NL[n, :length] = input_ids[row, start : start + length]
+        mask_NL[n, :length] = True
+    documents_3NL, _ = get_rope_index(ids_NL, attention_mask=mask_NL, **options)  # type: ignore[arg-type]
+    position_ids = torch.zeros(3, batch, seq, dtype=input_ids.dtype, device=input_ids.device)
+    for n, (row, start, length) in enumerate(spans):
+        position_ids[:, row, start : start + length] = documents_3NL[:, n, :length]
+    return position_ids

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from forge_lightning.modules.vlm.positions import get_rope_index
+from forge_lightning.modules.layers.attention import document_positions
+from forge_lightning.modules.vlm.positions import get_packed_rope_index, get_rope_index
 from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionTransformer
 from forge_lightning.modules.vlm.qwen3_vit import Qwen3VisionTransformer
 from forge_lightning.modules.vlm.siglip import SiglipVisionTransformer, check_layers
@@ -77,6 +78,19 @@ class VisionTower:
         """``(position_ids, rope_deltas [B, 1])`` of a batch for the LLM."""
         raise NotImplementedError
 
+    def packed_positions(
+        self,
+        config: Any,
+        input_ids: Tensor,
+        document_ids: Tensor,
+        image_grid_thw: Tensor | None = None,
+        video_grid_thw: Tensor | None = None,
+        second_per_grid_ts: Tensor | Sequence[float] | None = None,
+    ) -> Tensor:
+        """LLM positions of packed rows (``document_ids [B, S]``), restarting at every document: by default the
+        1-D ``[B, S]`` positions of :func:`~forge_lightning.modules.layers.attention.document_positions`."""
+        return document_positions(document_ids)
+
 
 class Qwen25VisionTower(VisionTower):
     """Qwen2.5-VL: patch rows with their grids, images and videos, multimodal RoPE positions
@@ -135,17 +149,39 @@ class Qwen25VisionTower(VisionTower):
         second_per_grid_ts: Tensor | Sequence[float] | None = None,
     ) -> tuple[Tensor, Tensor]:
         """``[3, B, S]`` (temporal, height, width) positions and their rope deltas."""
-        return get_rope_index(
-            input_ids,
-            image_token_id=config.image_token_id,
-            video_token_id=config.video_token_id,
-            spatial_merge_size=config.vision.spatial_merge_size,
-            image_grid_thw=image_grid_thw,
-            video_grid_thw=video_grid_thw,
-            second_per_grid_ts=second_per_grid_ts,
-            attention_mask=attention_mask,
+        options = self._rope_options(config, image_grid_thw, video_grid_thw, second_per_grid_ts)
+        return get_rope_index(input_ids, attention_mask=attention_mask, **options)
+
+    def packed_positions(
+        self,
+        config: Any,
+        input_ids: Tensor,
+        document_ids: Tensor,
+        image_grid_thw: Tensor | None = None,
+        video_grid_thw: Tensor | None = None,
+        second_per_grid_ts: Tensor | Sequence[float] | None = None,
+    ) -> Tensor:
+        """``[3, B, S]`` positions of each document on its own (:func:`get_packed_rope_index`)."""
+        options = self._rope_options(config, image_grid_thw, video_grid_thw, second_per_grid_ts)
+        return get_packed_rope_index(input_ids, document_ids, **options)
+
+    def _rope_options(
+        self,
+        config: Any,
+        image_grid_thw: Tensor | None,
+        video_grid_thw: Tensor | None,
+        second_per_grid_ts: Tensor | Sequence[float] | None,
+    ) -> dict[str, Any]:
+        """The keyword arguments of :func:`get_rope_index` for the config and a batch's grids."""
+        return {
+            "image_token_id": config.image_token_id,
+            "video_token_id": config.video_token_id,
+            "spatial_merge_size": config.vision.spatial_merge_size,
+            "image_grid_thw": image_grid_thw,
+            "video_grid_thw": video_grid_thw,
+            "second_per_grid_ts": second_per_grid_ts,
             **self.video_timing(config, video_grid_thw),
-        )
+        }
 
     def video_timing(self, config: Any, video_grid_thw: Tensor | None) -> dict[str, Any]:
         """How :func:`~forge_lightning.modules.vlm.positions.get_rope_index` spaces video frames: by
