@@ -150,12 +150,15 @@ def _member_resolver(sample: dict[str, Any], member: Callable[[str], Any]) -> Ca
     return resolve
 
 
+_PID = ("process id",)  # a key no shard path can be
+
+
 def _per_process(cache: dict[Any, Any], key: Any, open_: Callable[[], Any]) -> Any:
     """``cache[key]``, opened by ``open_`` in this process; a forked worker starts from an empty cache and never
     touches its parent's open files."""
-    if cache.get("pid") != os.getpid():
+    if cache.get(_PID) != os.getpid():
         cache.clear()
-        cache["pid"] = os.getpid()
+        cache[_PID] = os.getpid()
     if key not in cache:
         cache[key] = open_()
     return cache[key]
