@@ -32,6 +32,8 @@ from typing import Any
 
 import numpy as np
 
+from forge_lightning.datamodules.json_records import MalformedRecord, read_json_records
+
 FORMATS = ("auto", "alpaca", "sharegpt", "openai")
 TRAIN_ON = ("assistant", "last_assistant", "all")
 
@@ -232,7 +234,7 @@ _PARSERS: dict[str, Callable[[dict[str, Any]], tuple[list[dict[str, Any]], Any]]
 
 
 def read_conversations(path: str | Path, format: str = "auto") -> Iterator[Conversation]:
-    """Yield the conversations of a JSONL file (blank lines skipped).
+    """Yield the conversations of a JSONL file (blank lines skipped) or of a ``.json`` list.
 
     Raises:
         ChatFormatError: malformed JSON or record, naming ``file:line``.
@@ -244,19 +246,16 @@ def read_conversations(path: str | Path, format: str = "auto") -> Iterator[Conve
 
 
 def read_records(path: str | Path, format: str = "auto") -> Iterator[Conversation | ChatFormatError]:
-    """Yield each record of a JSONL file as a conversation, or as the error (naming ``file:line``) that it cannot be
-    read: every line is looked at, so a checker can report all problems at once."""
-    with open(path, encoding="utf-8") as stream:
-        for line_number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            source = f"{path}:{line_number}"
-            try:
-                yield parse_record(json.loads(line), format, source)
-            except json.JSONDecodeError as error:
-                yield ChatFormatError(f"{source}: malformed JSON ({error.msg} at column {error.colno})")
-            except ChatFormatError as error:
-                yield error
+    """Yield each record of a JSONL file (or a ``.json`` list) as a conversation, or as the error (naming
+    ``file:line``) that it cannot be read: every record is looked at, so a checker can report all problems at once."""
+    for source, record in read_json_records(path):
+        if isinstance(record, MalformedRecord):
+            yield ChatFormatError(str(record))
+            continue
+        try:
+            yield parse_record(record, format, source)
+        except ChatFormatError as error:
+            yield error
 
 
 # ------------------------------------------------------------------------------------------------ templates

@@ -5,7 +5,13 @@ import json
 import numpy as np
 import pytest
 
-from forge_lightning.datamodules.chat import ChatEncoder, ChatFormatError, parse_record, read_conversations
+from forge_lightning.datamodules.chat import (
+    ChatEncoder,
+    ChatFormatError,
+    parse_record,
+    read_conversations,
+    read_records,
+)
 from forge_lightning.datamodules.packing import best_fit_pack
 from forge_lightning.datamodules.sft import load_sft_samples
 
@@ -163,6 +169,18 @@ def test_malformed_records_name_file_and_line(write_jsonl, line, message):
     path = write_jsonl("bad.jsonl", [ALPACA, line])
     with pytest.raises(ChatFormatError, match=message):
         list(read_conversations(path))
+
+
+def test_a_json_list_reads_as_records_named_by_index(tmp_path):
+    # The reader chat data shares with the VLM data: a .json list names its records file[index].
+    path = tmp_path / "chat.json"
+    path.write_text(json.dumps([ALPACA, {"instruction": "x"}]))
+    first, second = read_records(path)
+    assert first.source == f"{path}[0]" and first.messages[-1]["role"] == "assistant"
+    assert isinstance(second, ChatFormatError) and str(second) == f"{path}[1]: missing key 'output'"
+    (tmp_path / "list.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"list\.json: a \.json data file must hold a list of records"):
+        list(read_records(tmp_path / "list.json"))
 
 
 def test_best_fit_packing():

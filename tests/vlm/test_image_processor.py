@@ -14,6 +14,7 @@ import torch
 from PIL import Image
 
 from forge_lightning.datamodules.vlm import Qwen2VLImageProcessor, num_merged_tokens, smart_resize
+from forge_lightning.datamodules.vlm.video import VideoInfo, VideoSampling, probe_video, read_video
 
 hf_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
@@ -258,3 +259,62 @@ def test_resample_is_a_pillow_filter_name():
     hf = hf_pil.Qwen2VLImageProcessorPil(resample=Image.Resampling.LANCZOS)
     out = Qwen2VLImageProcessor(resample="LANCZOS").preprocess_images([image])
     assert torch.equal(out["pixel_values"], hf(images=[image], return_tensors="pt")["pixel_values"])
+
+
+# ----- video files -------------------------------------------------------------------------------------------
+def _write_video(path, num_frames: int, fps: int, height: int = 72, width: int = 96):
+    from forge_lightning.sim.video import write_video
+
+    return write_video(
+        path, [np.asarray(_image(height, width, seed=50 + t)) for t in range(num_frames)], fps=fps, min_size=1
+    )
+
+
+@pytest.mark.parametrize(
+    ("sampling", "indices"),
+    [
+        # transformers' sample_frames on 23 frames at 10 fps: 23 / 10 * 2 = 4.6 -> 4 frames, arange(0, 23, 5.75)
+        ({"fps": 2.0}, [0, 5, 11, 17]),
+        ({"fps": 0.5}, [0, 5, 11, 17]),  # 1.15 frames, raised to min_frames 4
+        ({"fps": 6.0}, [0, 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21]),  # 13.8 -> 12
+        ({"num_frames": 5}, [0, 5, 11, 17]),  # rounded to a multiple of temporal_patch_size
+        ({"num_frames": 6}, [0, 3, 7, 11, 15, 19]),
+        ({"fps": 100.0}, list(range(22))),  # capped at the frame count, floored to a multiple of 2
+    ],
+)
+def test_video_frame_sampling_follows_transformers(sampling, indices):
+    info = VideoInfo(num_frames=23, fps=10.0, width=96, height=72)
+    assert VideoSampling(**sampling).indices(info) == indices
+
+
+def test_video_file_frames_and_pixels(tmp_path):
+    import av
+
+    path = _write_video(tmp_path / "clip.mp4", num_frames=23, fps=10)
+    info = probe_video(path)
+    assert info == VideoInfo(num_frames=23, fps=10.0, width=96, height=72)
+    with av.open(str(path)) as container:
+        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    sampling = VideoSampling(fps=2.0)
+    frames = read_video(path, sampling)
+    assert frames.shape == (4, 72, 96, 3) and frames.dtype == np.uint8
+    assert np.array_equal(frames, np.stack([decoded[i] for i in [0, 5, 11, 17]]))
+    processor = Qwen2VLImageProcessor(video_min_pixels=28 * 28 * 4, video_max_pixels=28 * 28 * 16)
+    out = processor.preprocess_videos([frames])
+    expected, grid = _expected_video([Image.fromarray(decoded[i]) for i in [0, 5, 11, 17]], processor)
+    assert out["video_grid_thw"].tolist() == [grid] == [[2, 6, 6]]  # 72x96 -> 84x84
+    assert torch.equal(out["pixel_values_videos"], expected)
+    assert sampling.seconds_per_grid(info) == 1.0  # 2 frames per temporal patch at 2 fps
+    assert VideoSampling(num_frames=6).seconds_per_grid(info) == pytest.approx(2 / (6 * 10 / 23))
+
+
+def test_video_file_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"nope\.mp4 not found"):
+        probe_video(tmp_path / "nope.mp4")
+    (tmp_path / "bad.mp4").write_bytes(b"not a video" * 10)
+    with pytest.raises(ValueError, match=r"bad\.mp4 cannot be opened as a video"):
+        probe_video(tmp_path / "bad.mp4")
+    with pytest.raises(ValueError, match=r"a video of 1 frames cannot give 2 sampled frames"):
+        VideoSampling().indices(VideoInfo(num_frames=1, fps=10.0, width=8, height=8))
+    with pytest.raises(ValueError, match=r"video fps \(0\) must be positive"):
+        VideoSampling(fps=0)

@@ -30,8 +30,9 @@ from forge_lightning.datamodules.vlm.vision_inputs import PROCESSORS, VisionInpu
 
 
 class VLMDataModule(TokenDataModule):
-    """Image + text chat fine-tuning data from ``.json`` / ``.jsonl`` files (LLaVA, ShareGPT with images, OpenAI
-    content parts; text-only records too), rendered with a chat template, images expanded to vision tokens.
+    """Image + text chat fine-tuning data from ``.json`` / ``.jsonl`` files, WebDataset shards or Energon-prepared
+    datasets (``sources.py``; records in LLaVA, ShareGPT with images, OpenAI content parts; text-only records too),
+    rendered with a chat template, images expanded to vision tokens.
 
     ``setup`` scans every record first (image headers, ``<image>`` counts, lengths after expansion, assistant
     turns); bad ones are skipped and counted in one summary line, or raised (``on_bad_sample="error"``). Batches are
@@ -43,7 +44,8 @@ class VLMDataModule(TokenDataModule):
     the data-parallel ranks by estimated compute (see :mod:`~forge_lightning.datamodules.vlm.balance`).
 
     Args:
-        train_files: data file(s) of training records.
+        train_files: data file(s) of training records: ``.json`` / ``.jsonl``, ``.tar`` shards or brace patterns,
+            or energon-prepared directories (their ``train`` part; ``val_files`` read the ``val`` part).
         tokenizer: the model's Hugging Face tokenizer directory (it must have the processor's image tokens).
         val_files: data file(s) of validation records (masked loss and generation references).
         image_root: the directory relative image paths start from (default: each data file's directory).
@@ -184,6 +186,7 @@ class VLMDataModule(TokenDataModule):
             image_root=self.image_root,
             on_bad_sample=self.on_bad_sample,
             verify_pixels=self.verify_pixels,
+            split=split,
         )
         self.reports[split] = report
         if not samples:

@@ -10,7 +10,8 @@ with :data:`IMAGE_PLACEHOLDER`, plus the record's images in placeholder order:
   {"type": "text", "text": "..."}]}, ...]}``, or ``{"type": "image_url", "image_url": {"url": ...}}`` parts; a
   part without a reference (``{"type": "image"}``) takes the next image of a top-level ``images`` list.
 
-An image reference is a path (relative to the image root), a ``file://`` URL or a ``data:image/...;base64,`` URL.
+An image reference is a path (relative to the image root), a ``file://`` URL or a ``data:image/...;base64,`` URL;
+in a shard it is the name of a member of the same sample (``0.jpg``; see ``sources.py``).
 """
 
 from __future__ import annotations
@@ -18,11 +19,9 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
 
 from PIL import Image, ImageOps
@@ -39,23 +38,43 @@ _IMAGE_PARTS = ("image", "image_url")
 _TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)
 
 
+@runtime_checkable
+class Member(Protocol):
+    """A file inside a container (a tar shard, an Energon dataset), read when asked for; it must pickle, since
+    DataLoader workers read it."""
+
+    def read(self) -> bytes:
+        """The file's bytes."""
+        ...
+
+
 @dataclass(frozen=True)
 class ImageSource:
-    """Where one image of a record is: a file or the bytes of a ``data:`` URL.
+    """Where one image of a record is: a file, the bytes of a ``data:`` URL, or a member of a shard.
 
     Args:
         ref: the reference as the record writes it (shortened for ``data:`` URLs), for messages.
-        path: the resolved file, or ``None`` for inline bytes.
-        data: the decoded bytes of a ``data:`` URL, or ``None`` for a file.
+        path: the resolved file, or ``None``.
+        data: the decoded bytes of a ``data:`` URL, or ``None``.
+        member: the shard member holding the image, or ``None``; ``data`` may hold its bytes while a scan reads
+            them (:meth:`lazy` drops them).
     """
 
     ref: str
     path: Path | None = None
     data: bytes | None = None
+    member: Member | None = None
 
     def open(self) -> Image.Image:
         """The image, lazily opened (Pillow reads the header only until pixels are asked for)."""
-        return Image.open(self.path if self.path is not None else io.BytesIO(self.data or b""))
+        if self.path is not None:
+            return Image.open(self.path)
+        data = self.data if self.data is not None or self.member is None else self.member.read()
+        return Image.open(io.BytesIO(data or b""))
+
+    def lazy(self) -> ImageSource:
+        """This image without the bytes of a shard member (read again from the shard when decoded)."""
+        return replace(self, data=None) if self.member is not None else self
 
     def size(self) -> tuple[int, int]:
         """``(width, height)`` after the EXIF orientation, from the header; ``verify()`` checks the file too.
@@ -95,42 +114,6 @@ class VLMRecord:
     def num_placeholders(self) -> int:
         """:data:`IMAGE_PLACEHOLDER` occurrences in the text of all messages."""
         return sum(str(m.get("content") or "").count(IMAGE_PLACEHOLDER) for m in self.conversation.messages)
-
-
-def read_raw_records(path: str | Path) -> Iterator[tuple[str, Any]]:
-    """Yield ``(source, record)`` for each record of a ``.jsonl`` (``file:line``) or ``.json`` list
-    (``file[index]``); a JSONL line that is not JSON comes as ``(source, ChatFormatError)``.
-
-    Raises:
-        ValueError: another suffix, or a ``.json`` file that is not a JSON list.
-    """
-    path = Path(path)
-    if path.suffix not in SUFFIXES:
-        raise ValueError(f"{path}: VLM data files must be .json (a list of records) or .jsonl (one per line)")
-    if path.suffix == ".json":
-        try:
-            records = json.loads(path.read_text(encoding="utf-8"))
-        except json.JSONDecodeError as error:
-            raise ValueError(f"{path}: malformed JSON ({error.msg} at line {error.lineno})") from None
-        if not isinstance(records, list):
-            raise ValueError(
-                f"{path}: a .json data file must hold a list of records; write one per line as .jsonl"
-            )
-        for index, record in enumerate(records):
-            yield f"{path}[{index}]", record
-        return
-    with open(path, encoding="utf-8") as stream:
-        for line_number, line in enumerate(stream, start=1):
-            if not line.strip():
-                continue
-            source = f"{path}:{line_number}"
-            try:
-                yield source, json.loads(line)
-            except json.JSONDecodeError as error:
-                yield (
-                    source,
-                    ChatFormatError(f"{source}: malformed JSON ({error.msg} at column {error.colno})"),
-                )
 
 
 def parse_vlm_record(record: Any, source: str = "") -> VLMRecord:

@@ -1,7 +1,8 @@
 """The pre-scan of vision-language data at setup: every record is parsed, its images' headers read and verified
 (no full decode) and its text encoded, so that bad input is found before training, not in the middle of it.
 
-Each bad record is named by ``file:line`` (``file[index]`` in a ``.json`` list) and a reason; it is skipped and
+Each bad record is named by ``file:line`` (``file[index]`` in a ``.json`` list, ``shard.tar:key`` in a shard) and
+a reason; it is skipped and
 counted, or raised as a :class:`BadSampleError`. Each kept sample keeps its tokens, image sizes, training length and
 patch count (what packing and load balancing need).
 """
@@ -15,14 +16,10 @@ from pathlib import Path
 import numpy as np
 
 from forge_lightning.datamodules.chat import ChatFormatError, Conversation
+from forge_lightning.datamodules.json_records import MalformedRecord
 from forge_lightning.datamodules.vlm.encoding import VLMEncoder
-from forge_lightning.datamodules.vlm.records import (
-    IMAGE_PLACEHOLDER,
-    ImageSource,
-    parse_vlm_record,
-    read_raw_records,
-    resolve_image,
-)
+from forge_lightning.datamodules.vlm.records import IMAGE_PLACEHOLDER, ImageSource, parse_vlm_record
+from forge_lightning.datamodules.vlm.sources import RawRecord, open_sources
 
 ON_BAD_SAMPLE = ("skip", "error")
 
@@ -130,30 +127,33 @@ def scan_files(
     image_root: str | Path | None = None,
     on_bad_sample: str = "skip",
     verify_pixels: bool = False,
+    split: str = "train",
 ) -> tuple[list[VLMSample], ScanReport]:
     """Scan data files into the samples fit to train on.
 
     Args:
-        files: ``.json`` / ``.jsonl`` files of records.
+        files: ``.json`` / ``.jsonl`` files of records, WebDataset shards (paths or brace patterns) or
+            energon-prepared directories (see ``sources.py``).
         encoder: renders and tokenizes a record with its vision tokens.
         seq_length: most training positions per sample; longer samples are bad (cutting one would cut images).
         image_root: the directory relative image paths start from (default: each data file's directory).
         on_bad_sample: ``skip`` (count and leave out) or ``error`` (raise the first).
         verify_pixels: also decode every image (slow; finds a truncated JPEG, which ``verify()`` cannot).
+        split: the split part of an Energon dataset to read.
 
     Raises:
         BadSampleError: the first bad record, with ``on_bad_sample="error"``.
     """
     if on_bad_sample not in ON_BAD_SAMPLE:
         raise ValueError(f"on_bad_sample ({on_bad_sample!r}) must be one of {', '.join(ON_BAD_SAMPLE)}")
-    report = ScanReport([str(f) for f in files])
+    sources = open_sources(files, image_root, split)
+    report = ScanReport([s.name for s in sources])
     samples = []
-    for path in files:
-        root = Path(image_root) if image_root is not None else Path(path).parent
-        for source, record in read_raw_records(path):
+    for records in sources:
+        for raw in records.records():
             report.records += 1
             try:
-                sample = _scan_record(source, record, encoder, root, seq_length, verify_pixels)
+                sample = _scan_record(raw, encoder, seq_length, verify_pixels)
             except BadSampleError as error:
                 if on_bad_sample == "error":
                     raise
@@ -166,10 +166,9 @@ def scan_files(
     return samples, report
 
 
-def _scan_record(
-    source: str, record: object, encoder: VLMEncoder, root: Path, seq_length: int, verify_pixels: bool
-) -> VLMSample:
-    if isinstance(record, ChatFormatError):
+def _scan_record(raw: RawRecord, encoder: VLMEncoder, seq_length: int, verify_pixels: bool) -> VLMSample:
+    source, record = raw.source, raw.record
+    if isinstance(record, MalformedRecord):
         raise BadSampleError(MALFORMED, str(record))
     try:
         parsed = parse_vlm_record(record, source)
@@ -192,7 +191,7 @@ def _scan_record(
             IMAGE_COUNT,
             f"{source}: the text holds the image token {token!r} itself; mark images with {IMAGE_PLACEHOLDER}",
         )
-    images = [_resolve(source, ref, root) for ref in parsed.image_refs]
+    images = [_resolve(source, ref, raw) for ref in parsed.image_refs]
     sizes = [_probe(source, image, verify_pixels) for image in images]
     try:
         num_patches = sum(encoder.vision.num_patches(size) for size in sizes)
@@ -209,12 +208,15 @@ def _scan_record(
         )
     if not encoded.trainable[1:].any():  # the first token is never a target
         raise BadSampleError(NOTHING_TRAINED, f"{source}: no token left to train on (empty answers?)")
+    images = [image.lazy() for image in images]
     return VLMSample(source, conversation, encoded.tokens, encoded.trainable, images, sizes, num_patches)
 
 
-def _resolve(source: str, ref: str, root: Path) -> ImageSource:
+def _resolve(source: str, ref: str, raw: RawRecord) -> ImageSource:
     try:
-        return resolve_image(ref, root)
+        return raw.resolve(ref)
+    except FileNotFoundError as error:
+        raise BadSampleError(MISSING_IMAGE, f"{source}: {error}") from None
     except ValueError as error:
         raise BadSampleError(UNSUPPORTED_IMAGE, f"{source}: {error}") from None
 
