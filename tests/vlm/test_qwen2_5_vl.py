@@ -143,3 +143,27 @@ def test_config_needs_multimodal_rope_and_a_known_encoder() -> None:
         VLMConfig(vision=config.vision, llm=llm)
     with pytest.raises(ValueError, match=r"vision.type \('clip'\) is not supported"):
         VLMConfig(vision={"type": "clip"}, llm=config.llm)
+
+
+def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    ids, mask = right_padded([row[::-1] for row in rows])
+    return ids.flip(1), mask.flip(1)
+
+
+def test_left_padded_rows_match_transformers(pair) -> None:
+    """Left padding (what batched generation pads): positions count from each row's first real token."""
+    ids, mask = _left_padded(
+        [
+            text(3, 0) + placeholders(IMAGE, IMG_A) + text(2, 2),
+            text(9, 3),
+            text(1, 4) + placeholders(IMAGE, IMG_C),
+        ]
+    )
+    batch = dict(
+        input_ids=ids,
+        attention_mask=mask,
+        pixel_values=pixels([IMG_A, IMG_C], 0, PATCH),
+        image_grid_thw=torch.tensor([IMG_A, IMG_C]),
+    )
+    assert not mask[:, 0].all() and mask[:, -1].all()  # rows of different lengths, padded on the left
+    assert_matches_transformers(*pair, batch)
