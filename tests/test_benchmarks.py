@@ -21,6 +21,11 @@ MEGATRON_CPU_SITE = REPO / "tests" / "megatron" / "cpu_site"
 
 
 def _run(script: str, *args: str, out: Path, pythonpath: Path | None = None) -> list[dict]:
+    return _launch(script, *args, out=out, pythonpath=pythonpath)[0]
+
+
+def _launch(script: str, *args: str, out: Path, pythonpath: Path | None = None) -> tuple[list[dict], str]:
+    """The rows of the script's JSON (none failed) and its stdout."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
@@ -30,7 +35,7 @@ def _run(script: str, *args: str, out: Path, pythonpath: Path | None = None) -> 
     rows = json.loads(out.read_text())["results"]
     failed = [r for r in rows if "error" in r]
     assert not failed, failed
-    return rows
+    return rows, proc.stdout
 
 
 # A freshly initialised model on random tokens of the debug vocabulary (256) starts near ln(256).
@@ -70,6 +75,29 @@ def test_megatron_throughput_script_trains_its_megatron_and_fsdp2_paths(tmp_path
     for r in rows:
         assert r["tokens_per_s"] > 0
         assert abs(r["first_loss"] - FIRST_LOSS) < 0.2 and abs(r["last_loss"] - FIRST_LOSS) < 0.2, r
+
+
+def test_vlm_throughput_script_trains_transformers_and_our_packed_rows(tmp_path):
+    """The tiny Qwen2.5-VL shape: both rows train the same samples (same digest, real tokens and samples per
+    step), ours in packed rows of 512 tokens; the table is printed last with a row per path."""
+    args = ["--tiny", "--steps", "2", "--warmup", "1", "--samples-per-step", "2", "--seq-length", "512"]
+    args += ["--rows", "transformers", "ours-packed", "--work-dir", str(tmp_path / "work")]
+    rows, stdout = _launch("vlm_throughput.py", *args, out=tmp_path / "vlm.json")
+    assert [r["row"] for r in rows] == ["transformers", "ours-packed"]
+    hf, ours = rows
+    assert hf["layout"] == "padded" and ours["layout"] == "packed" and not hf["liger"]
+    assert hf["data_digest"] == ours["data_digest"] and hf["params"] == ours["params"]
+    assert hf["real_tokens_per_step"] == ours["real_tokens_per_step"] > 0
+    assert all(shape[1] == 512 for shape in ours["batch_shapes"])
+    assert all(shape[0] == 2 for shape in hf["batch_shapes"])  # two samples, padded to the longer
+    for r in rows:
+        assert r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and r["tflops"] > 0 and r["timed_steps"] == 2
+        assert abs(r["first_loss"] - math.log(512)) < 0.3 and abs(r["last_loss"] - math.log(512)) < 0.3, r
+    lines = stdout.strip().splitlines()
+    assert lines[-4].startswith("| row | setting | attention | real tokens/s | samples/s | TFLOP/s | MFU |")
+    assert "| vs transformers | first loss | last loss |" in lines[-4]
+    assert lines[-1].startswith("| ours-packed |") and "LLM packed sdpa" in lines[-1]
+    assert json.loads((tmp_path / "vlm.json").read_text())["meta"]["same_data"] is True
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,13 @@ from tiny import TINY_LLM
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from forge_lightning.modules.llm import LLMConfig
-from forge_lightning.modules.vlm import SiglipVisionConfig, VisionLanguageModel, VLMConfig, from_pretrained
+from forge_lightning.modules.vlm import (
+    SiglipVisionConfig,
+    VisionLanguageModel,
+    VisionLanguageModule,
+    VLMConfig,
+    from_pretrained,
+)
 from forge_lightning.modules.vlm.positions import get_packed_rope_index, get_rope_index
 
 TOL = 1e-5
@@ -201,6 +207,43 @@ def test_packed_input_errors_are_named(qwen) -> None:
     del packed["image_grid_thw"]
     with pytest.raises(ValueError, match="image pixels need their image_grid_thw"):
         model(**packed)
+
+
+def _shifted_labels(batch: dict, spans: list[tuple[int, int, int]]) -> torch.Tensor:
+    """Each sample's next tokens as labels (the data modules' pre-shifted form), -100 elsewhere."""
+    labels = torch.full_like(batch["input_ids"], -100)
+    for row, start, n in spans:
+        labels[row, start : start + n - 1] = batch["input_ids"][row, start + 1 : start + n]
+    return labels
+
+
+def test_module_loss_of_packed_rows_equals_the_padded_batch(qwen, tmp_path) -> None:
+    """The module passes packed rows' document_ids and position_ids on: a row of several samples gives the loss
+    sum of their padded batch (else the samples would attend to each other at 1-D positions)."""
+    hf, _ = qwen
+    hf.save_pretrained(tmp_path)
+    module = VisionLanguageModule.from_pretrained(tmp_path).float()
+    samples = _qwen_samples()
+    padded = _padded(samples)
+    padded["labels"] = _shifted_labels(padded, [(b, 0, len(s.ids)) for b, s in enumerate(samples)])
+    packed = _packed([samples], seq=sum(len(s.ids) for s in samples) + 3)
+    starts = [sum(len(s.ids) for s in samples[:k]) for k in range(len(samples))]
+    packed["labels"] = _shifted_labels(packed, [(0, start, len(s.ids)) for start, s in zip(starts, samples)])
+    packed["position_ids"] = module.model.tower.packed_positions(
+        module.config,
+        packed["input_ids"],
+        packed["document_ids"],
+        packed["image_grid_thw"],
+        packed["video_grid_thw"],
+        packed["second_per_grid_ts"],
+    )
+    with torch.no_grad():
+        padded_sum, padded_tokens = module.loss_sum(padded)
+        packed_sum, packed_tokens = module.loss_sum(packed)
+        without_documents = module.loss_sum({k: v for k, v in packed.items() if k != "document_ids"})[0]
+    assert packed_tokens == padded_tokens == sum(len(s.ids) - 1 for s in samples)
+    torch.testing.assert_close(packed_sum, padded_sum, atol=TOL * padded_tokens, rtol=TOL)
+    assert abs(float(without_documents - padded_sum)) > 1e-3  # the check can tell documents from one sequence
 
 
 # ----- LLaVA (SigLIP, 1-D positions) -------------------------------------------------------------------------------

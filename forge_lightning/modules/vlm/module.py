@@ -66,6 +66,9 @@ MODEL_INPUTS = (
 )
 """Batch keys passed to :class:`VisionLanguageModel` beside ``input_ids`` and ``attention_mask``."""
 
+PACKED_INPUTS = ("document_ids", "position_ids")
+"""Batch keys of packed rows (several samples per row) passed to :class:`VisionLanguageModel` for training."""
+
 _AC_MODES = ("none", "full", "selective")
 
 
@@ -291,8 +294,10 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
     # ----- forward and loss ----------------------------------------------------------------------------------
     @staticmethod
     def model_inputs(batch: Mapping[str, Any]) -> dict[str, Any]:
-        """The batch entries :class:`VisionLanguageModel` takes beside ``input_ids`` (those present)."""
-        return {k: batch[k] for k in ("attention_mask", *MODEL_INPUTS) if batch.get(k) is not None}
+        """The batch entries :class:`VisionLanguageModel` takes beside ``input_ids`` (those present), packed rows'
+        ``document_ids`` and ``position_ids`` included."""
+        keys = ("attention_mask", *MODEL_INPUTS, *PACKED_INPUTS)
+        return {k: batch[k] for k in keys if batch.get(k) is not None}
 
     @override
     def forward(self, input_ids: Tensor, **inputs: Any) -> Tensor:
