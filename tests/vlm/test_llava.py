@@ -13,8 +13,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
-from llm_parity import randomize_weights
+from llava_parity import (
+    assert_matches_transformers,
+    assert_tower_matches,
+    assert_trains,
+    max_logits_diff,
+    randomize,
+)
 from safetensors.torch import save_file
 from tiny import TINY_LLM, TINY_QWEN3_TEXT, TINY_SIGLIP_VISION
 from transformers import AutoModelForCausalLM, LlavaConfig, LlavaForConditionalGeneration, Qwen3Config
@@ -60,22 +65,11 @@ def _hf_config(case: str, *, use_head: bool = False) -> LlavaConfig:
     )
 
 
-def _randomize(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
-    """Random weights that all matter; LayerNorm weights around 1."""
-    torch.manual_seed(seed)
-    randomize_weights(model, weight_std=0.1)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith(("layer_norm1.weight", "layer_norm2.weight", "layernorm.weight")):
-                param.copy_(1 + 0.3 * torch.randn_like(param))
-    return model.float().eval()
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def pair(request, tmp_path_factory) -> tuple[str, LlavaForConditionalGeneration, VisionLanguageModel]:
     """transformers' LLaVA with random weights, saved by transformers and read back by ``from_pretrained``."""
     path = tmp_path_factory.mktemp(request.param)
-    hf = _randomize(LlavaForConditionalGeneration(_hf_config(request.param)))
+    hf = randomize(LlavaForConditionalGeneration(_hf_config(request.param)))
     hf.save_pretrained(path)
     return request.param, hf, from_pretrained(path)
 
@@ -104,61 +98,9 @@ def _batch(tokens_per_image: int) -> dict[str, torch.Tensor]:
     return dict(input_ids=ids, attention_mask=mask, pixel_values=pixels)
 
 
-def _labels(batch: dict) -> torch.Tensor:
-    ignore = (batch["attention_mask"] == 0) | (batch["input_ids"] == IMAGE)
-    return batch["input_ids"].masked_fill(ignore, -100)
-
-
-def _loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
-
-
-def _max_diff(model: VisionLanguageModel, hf: LlavaForConditionalGeneration, batch: dict) -> float:
-    keep = batch["attention_mask"].bool()
-    with torch.no_grad():
-        return (model(**batch) - hf(**batch).logits)[keep].abs().max().item()
-
-
-def _hf_name(name: str) -> str:
-    for ours, theirs in (
-        ("vision.", "model.vision_tower."),
-        ("projector.", "model.multi_modal_projector."),
-        ("llm.model.", "model.language_model."),
-        ("llm.", ""),
-    ):
-        if name.startswith(ours):
-            return theirs + name.removeprefix(ours)
-    raise AssertionError(name)
-
-
 def test_logits_loss_and_gradients_match_transformers(pair) -> None:
     _, hf, model = pair
-    hf.zero_grad(set_to_none=True)
-    model.zero_grad(set_to_none=True)
-    batch = _batch(_tokens_per_image(model))
-    labels, keep = _labels(batch), batch["attention_mask"].bool()
-
-    logits = model(**batch)
-    out = hf(**batch, labels=labels)
-    logits_err = (logits - out.logits)[keep].abs().max().item()
-    assert logits_err <= LOGITS_TOL, logits_err
-
-    loss = _loss(logits, labels)
-    assert abs(loss.item() - out.loss.item()) <= LOSS_TOL * out.loss.item()
-
-    loss.backward()
-    out.loss.backward()
-    hf_grads = {name: p.grad for name, p in hf.named_parameters()}
-    assert {_hf_name(name) for name, _ in model.named_parameters()} == hf_grads.keys()
-    unused = 0
-    for name, p in model.named_parameters():
-        want = hf_grads[_hf_name(name)]
-        if want is None:  # layers after the deepest selected one, post_layernorm
-            assert p.grad is None, name
-            unused += 1
-            continue
-        rel = ((p.grad - want).norm() / want.norm()).item()
-        assert rel <= GRAD_TOL, f"{name}: relative gradient error {rel:.2e}"
+    unused = assert_matches_transformers(model, hf, _batch(_tokens_per_image(model)), (IMAGE,))
     assert unused > 0  # post_layernorm at least: LLaVA takes hidden states from before it
 
 
@@ -178,7 +120,7 @@ def test_saved_checkpoint_loads_in_transformers(pair, tmp_path: Path) -> None:
     assert prefixes == expected
     hf = LlavaForConditionalGeneration.from_pretrained(out).eval()
     assert hf.config.vision_feature_layer == CASES[case][1]
-    assert _max_diff(model, hf, _batch(_tokens_per_image(model))) <= LOGITS_TOL
+    assert max_logits_diff(model, hf, _batch(_tokens_per_image(model))) <= LOGITS_TOL
     again = from_pretrained(out)
     for (name, p), q in zip(model.state_dict().items(), again.state_dict().values(), strict=True):
         assert torch.equal(p, q), name
@@ -188,7 +130,7 @@ def test_saved_checkpoint_loads_in_transformers(pair, tmp_path: Path) -> None:
 def test_reads_every_layout_transformers_writes(tmp_path: Path, layout: str) -> None:
     """transformers 5's in-memory names (``model.vision_tower.*``), and its own save of a tower with the pooling
     head (``vision_tower.*``, ``language_model.model.*``; the head is skipped)."""
-    hf = _randomize(LlavaForConditionalGeneration(_hf_config("qwen3", use_head=layout != "in_memory")))
+    hf = randomize(LlavaForConditionalGeneration(_hf_config("qwen3", use_head=layout != "in_memory")))
     if layout == "in_memory":
         hf.config.save_pretrained(tmp_path)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -196,7 +138,7 @@ def test_reads_every_layout_transformers_writes(tmp_path: Path, layout: str) -> 
     else:
         hf.save_pretrained(tmp_path)
     model = from_pretrained(tmp_path)
-    assert _max_diff(model, hf, _batch(_tokens_per_image(model))) <= LOGITS_TOL
+    assert max_logits_diff(model, hf, _batch(_tokens_per_image(model))) <= LOGITS_TOL
 
 
 def test_tensors_in_two_layouts_or_of_no_component_are_named(tmp_path: Path) -> None:
@@ -221,11 +163,11 @@ def test_tensors_in_two_layouts_or_of_no_component_are_named(tmp_path: Path) -> 
 
 def test_composed_from_a_siglip_and_a_qwen3_checkpoint_trains_and_exports(tmp_path: Path) -> None:
     torch.manual_seed(0)
-    siglip = _randomize(
+    siglip = randomize(
         HFSiglipVisionModel(HFSiglipVisionConfig(**TINY_SIGLIP_VISION))
     )  # with its pooling head
     siglip.save_pretrained(tmp_path / "siglip")
-    qwen3 = _randomize(AutoModelForCausalLM.from_config(Qwen3Config(**CASES["qwen3"][0])), seed=1)
+    qwen3 = randomize(AutoModelForCausalLM.from_config(Qwen3Config(**CASES["qwen3"][0])), seed=1)
     qwen3.save_pretrained(tmp_path / "qwen3")
     spec = {
         "vision": {"pretrained": str(tmp_path / "siglip"), "feature_layer": -1},
@@ -243,20 +185,11 @@ def test_composed_from_a_siglip_and_a_qwen3_checkpoint_trains_and_exports(tmp_pa
     assert all(torch.equal(v, llm[k]) for k, v in qwen3.state_dict().items())
 
     batch = _batch(_tokens_per_image(model))
-    labels = _labels(batch)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for _ in range(6):
-        optimizer.zero_grad()
-        loss = _loss(model(**batch), labels)
-        loss.backward()
-        optimizer.step()
-        losses.append(loss.item())
-    assert losses[-1] < 0.9 * losses[0], losses
+    assert_trains(model, batch, (IMAGE,))
 
     out = save_pretrained(model, model.config, tmp_path / "llava")
     hf = LlavaForConditionalGeneration.from_pretrained(out).eval()
-    assert _max_diff(model, hf, batch) <= LOGITS_TOL
+    assert max_logits_diff(model, hf, batch) <= LOGITS_TOL
 
 
 def test_composition_reads_a_siglip_model_checkpoint_and_a_preset_llm(tmp_path: Path) -> None:
@@ -264,7 +197,7 @@ def test_composition_reads_a_siglip_model_checkpoint_and_a_preset_llm(tmp_path: 
     text = dict(
         hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, vocab_size=64
     )
-    full = _randomize(HFSiglipModel(HFSiglipConfig(vision_config=TINY_SIGLIP_VISION, text_config=text)))
+    full = randomize(HFSiglipModel(HFSiglipConfig(vision_config=TINY_SIGLIP_VISION, text_config=text)))
     full.save_pretrained(tmp_path)
     model = build_vlm({"vision": {"pretrained": str(tmp_path)}, "llm": "debug", "image_token_id": 3})
     assert model.config.projector_type == "mlp"  # LLaVA's, by default
@@ -274,7 +207,7 @@ def test_composition_reads_a_siglip_model_checkpoint_and_a_preset_llm(tmp_path: 
 
 
 def test_siglip_tower_matches_transformers() -> None:
-    reference = _randomize(HFSiglipVisionModel(HFSiglipVisionConfig(**TINY_SIGLIP_VISION)))
+    reference = randomize(HFSiglipVisionModel(HFSiglipVisionConfig(**TINY_SIGLIP_VISION)))
     config = SiglipVisionConfig.from_hf(
         reference.config.to_dict(), feature_layer=[1, -2], feature_select_strategy="default"
     )
@@ -283,19 +216,8 @@ def test_siglip_tower_matches_transformers() -> None:
     )
     tower = load_hf_siglip_weights(SiglipVisionTransformer(config), reference.state_dict())
     pixels = torch.randn(2, 3, SIZE, SIZE, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        out = reference(pixels, output_hidden_states=True)
-        for i in range(-config.num_layers - 1, config.num_layers + 1):
-            torch.testing.assert_close(
-                tower.hidden_states(pixels, [i])[0], out.hidden_states[i], atol=TOWER_TOL, rtol=0
-            )
-        torch.testing.assert_close(
-            tower.last_hidden_state(pixels), out.last_hidden_state, atol=TOWER_TOL, rtol=0
-        )
-        expected = torch.cat([out.hidden_states[1][:, 1:], out.hidden_states[-2][:, 1:]], dim=-1)
-        features = tower(pixels)
+    features = assert_tower_matches(tower, reference, pixels, TOWER_TOL)
     assert features.shape == (2, config.tokens_per_image, config.out_hidden_size) == (2, 15, 64)
-    torch.testing.assert_close(features, expected, atol=TOWER_TOL, rtol=0)
 
 
 def test_config_round_trips_through_transformers() -> None:
@@ -345,8 +267,9 @@ def test_wrong_number_of_image_tokens_is_named(pair) -> None:
     ("overrides", "match"),
     [
         (
-            {"vision": {"type": "clip"}},
-            r"vision.type \('clip'\) is not supported; supported: qwen2_5_vit, qwen3_vit, siglip",
+            {"vision": {"type": "dinov2"}},
+            r"vision.type \('dinov2'\) is not supported; supported: qwen2_5_vit, qwen3_vit, siglip, clip, "
+            "siglip_anyres",
         ),
         ({"projector": "linear"}, r"projector \('linear'\) is not supported; supported: none, mlp"),
         (
@@ -397,10 +320,8 @@ def test_vision_and_family_checks() -> None:
     ):
         wide.to_hf()
     hf = _hf_config("llama").to_dict()
-    hf["vision_config"]["model_type"] = "clip_vision_model"
-    with pytest.raises(
-        ValueError, match=r"vision_config model_type \('clip_vision_model'\) is not supported"
-    ):
+    hf["vision_config"]["model_type"] = "dinov2"
+    with pytest.raises(ValueError, match=r"vision_config model_type \('dinov2'\) is not supported"):
         VLMConfig.from_hf(hf)
 
 
@@ -409,7 +330,8 @@ def test_composition_errors_name_the_checkpoint(tmp_path: Path) -> None:
     qwen3.save_pretrained(tmp_path / "qwen3")
     with pytest.raises(
         ValueError,
-        match=r"holds a 'qwen3' checkpoint; supported encoder checkpoints: siglip_vision_model, siglip",
+        match=r"holds a 'qwen3' checkpoint; supported encoder checkpoints: siglip_vision_model, siglip, "
+        "clip_vision_model, clip",
     ):
         build_vlm({"vision": {"pretrained": str(tmp_path / "qwen3")}, "llm": "debug", "image_token_id": 3})
     with pytest.raises(FileNotFoundError, match=r"llm.pretrained: no config.json in"):

@@ -141,8 +141,8 @@ def test_config_needs_multimodal_rope_and_a_known_encoder() -> None:
     llm = dataclasses.asdict(config.llm) | {"rope_scaling": None, "architecture": "qwen2"}
     with pytest.raises(ValueError, match="llm.rope_scaling has no mrope_section"):
         VLMConfig(vision=config.vision, llm=llm)
-    with pytest.raises(ValueError, match=r"vision.type \('clip'\) is not supported"):
-        VLMConfig(vision={"type": "clip"}, llm=config.llm)
+    with pytest.raises(ValueError, match=r"vision.type \('dinov2'\) is not supported"):
+        VLMConfig(vision={"type": "dinov2"}, llm=config.llm)
 
 
 def _left_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

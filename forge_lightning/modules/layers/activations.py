@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from torch import nn
+import torch
+from torch import Tensor, nn
+
+
+class QuickGELU(nn.Module):
+    """``x * sigmoid(1.702 x)``: the sigmoid approximation of GELU that CLIP was trained with (``quick_gelu``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
 
 ACTIVATIONS: dict[str, Callable[[], nn.Module]] = {
     "gelu": nn.GELU,  # the exact (erf) GELU
     "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+    "quick_gelu": QuickGELU,
 }
 """Activation modules by their Hugging Face name."""
 

@@ -1,6 +1,6 @@
 """Vision-language models: the composed model (:mod:`.model`, :mod:`.config`, Hugging Face interchange in
 :mod:`.hf`, composition from component checkpoints in :mod:`.compose`), vision encoders (:mod:`.qwen2_5_vit`,
-:mod:`.siglip`) and how each plugs in (:mod:`.towers`), projectors (:mod:`.projector`), the patch-grid layout the
+:mod:`.siglip`, :mod:`.clip`; LLaVA-OneVision's tiling in :mod:`.anyres`) and how each plugs in (:mod:`.towers`), projectors (:mod:`.projector`), the patch-grid layout the
 Qwen encoder uses (:mod:`.patches`); the LightningModule that trains them (:mod:`.module`).
 
 Public names are imported lazily, so importing one submodule (e.g. ``positions``) does not import the others.
@@ -12,6 +12,9 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "AnyResVisionConfig": "anyres",
+    "ClipVisionConfig": "clip",
+    "ClipVisionTransformer": "clip",
     "FAMILIES": "config",
     "VISION_TYPES": "config",
     "VLMConfig": "config",
@@ -29,6 +32,9 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "AnyResVisionConfig",
+    "ClipVisionConfig",
+    "ClipVisionTransformer",
     "ComponentSettings",
     "FAMILIES",
     "MLPProjectorConfig",
@@ -46,6 +52,8 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from forge_lightning.modules.vlm.anyres import AnyResVisionConfig
+    from forge_lightning.modules.vlm.clip import ClipVisionConfig, ClipVisionTransformer
     from forge_lightning.modules.vlm.compose import build_vlm
     from forge_lightning.modules.vlm.config import FAMILIES, VISION_TYPES, VLMConfig
     from forge_lightning.modules.vlm.hf import from_pretrained, save_pretrained

@@ -1,5 +1,5 @@
 """A VLM composed from the checkpoints of its parts: a vision encoder's and an LLM's Hugging Face directories (e.g.
-a ``SiglipVisionModel`` and a Qwen3 ``AutoModelForCausalLM``), with a freshly initialised projector between them::
+a ``SiglipVisionModel`` or ``CLIPVisionModel`` and a Qwen3 ``AutoModelForCausalLM``), with a freshly initialised projector between them::
 
     model:
       vision: {pretrained: path/to/siglip, feature_layer: -2}   # config and weights; other keys override the config
@@ -25,6 +25,7 @@ from torch import nn
 
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.hf import load_hf_state_dict, load_pretrained
+from forge_lightning.modules.vlm.clip import ClipVisionConfig
 from forge_lightning.modules.vlm.config import VLMConfig
 from forge_lightning.modules.vlm.model import VisionLanguageModel
 from forge_lightning.modules.vlm.siglip import SiglipVisionConfig, load_hf_siglip_weights
@@ -46,9 +47,12 @@ class VisionCheckpoint:
 
 
 _SIGLIP = VisionCheckpoint("siglip", SiglipVisionConfig.from_hf, load_hf_siglip_weights)
+_CLIP = VisionCheckpoint("clip", ClipVisionConfig.from_hf, load_hf_siglip_weights)
 VISION_CHECKPOINTS: dict[str, VisionCheckpoint] = {
     "siglip_vision_model": _SIGLIP,  # transformers' SiglipVisionModel
     "siglip": _SIGLIP,  # SiglipModel (image and text towers): its vision tower
+    "clip_vision_model": _CLIP,  # CLIPVisionModel
+    "clip": _CLIP,  # CLIPModel: its vision tower
 }
 """Encoder checkpoints ``vision.pretrained`` reads, by their ``config.json`` ``model_type``."""
 

@@ -8,16 +8,28 @@ projector that architecture has, whether the LLM takes multimodal RoPE positions
     qwen2_5_vit   Qwen2.5-VL   qwen2_5_vl   none        M-RoPE [3, B, S]       image / video / vision start, end
     qwen3_vit     Qwen3-VL     qwen3_vl     none        interleaved M-RoPE     image / video / vision start, end
     siglip        LLaVA        llava        mlp         1-D (the LLM's own)    image
+    clip          LLaVA        llava        mlp         1-D (the LLM's own)    image
+    siglip_anyres LLaVA-OV     llava_onevision  mlp_newline  1-D               image, video (kept, not encoded)
+
+LLaVA reads both towers: its ``vision_config`` ``model_type`` picks one (none means CLIP, as in transformers).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from forge_lightning.modules.llm.config import LLMConfig
-from forge_lightning.modules.vlm.projector import PROJECTORS, IdentityProjectorConfig, MLPProjectorConfig
+from forge_lightning.modules.vlm.anyres import AnyResVisionConfig
+from forge_lightning.modules.vlm.clip import ClipVisionConfig
+from forge_lightning.modules.vlm.projector import (
+    PROJECTORS,
+    IdentityProjectorConfig,
+    MLPNewlineProjectorConfig,
+    MLPProjectorConfig,
+)
 from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionConfig
 from forge_lightning.modules.vlm.qwen3_vit import Qwen3VisionConfig
 from forge_lightning.modules.vlm.siglip import SiglipVisionConfig
@@ -26,6 +38,8 @@ VISION_TYPES: dict[str, type] = {
     "qwen2_5_vit": Qwen25VisionConfig,
     "qwen3_vit": Qwen3VisionConfig,
     "siglip": SiglipVisionConfig,
+    "clip": ClipVisionConfig,
+    "siglip_anyres": AnyResVisionConfig,
 }
 """Vision encoder configs by the ``type`` of a ``vision`` section."""
 
@@ -39,6 +53,18 @@ _HF_LLAVA_DEFAULTS = {
     "multimodal_projector_bias": True,
     "projector_hidden_act": "gelu",
 }
+# transformers' LlavaOnevisionConfig defaults.
+_HF_ONEVISION_DEFAULTS = {
+    "image_token_index": 151646,
+    "video_token_index": 151647,
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "full",
+    "multimodal_projector_bias": True,
+    "projector_hidden_act": "gelu",
+    "vision_aspect_ratio": "anyres_max_9",
+}
+# The vision_config model_type transformers reads a file without one as.
+_HF_DEFAULT_VISION = {"llava": "clip_vision_model", "llava_onevision": "siglip_vision_model"}
 _FAMILY_FIELDS = (
     "image_token_id",
     "video_token_id",
@@ -64,6 +90,7 @@ class Family:
         from_hf: reads its ``config.json`` dict.
         to_hf: writes it.
         mrope_interleaved: with ``mrope``, the LLM's M-RoPE is interleaved (Qwen3-VL), not chunked (Qwen2.5-VL).
+        projector_required: the tower needs the family's projector (LLaVA-OneVision's ``image_newline``).
     """
 
     name: str
@@ -76,6 +103,7 @@ class Family:
     from_hf: Callable[[Mapping[str, Any]], VLMConfig]
     to_hf: Callable[[VLMConfig], dict[str, Any]]
     mrope_interleaved: bool = False
+    projector_required: bool = False
 
 
 @dataclass(kw_only=True)
@@ -102,9 +130,11 @@ class VLMConfig:
     Fields a family does not use (:attr:`Family.fields`) must stay unset.
     """
 
-    vision: Qwen25VisionConfig | Qwen3VisionConfig | SiglipVisionConfig
+    vision: (
+        Qwen25VisionConfig | Qwen3VisionConfig | SiglipVisionConfig | ClipVisionConfig | AnyResVisionConfig
+    )
     llm: LLMConfig
-    projector: IdentityProjectorConfig | MLPProjectorConfig | str | None = None
+    projector: IdentityProjectorConfig | MLPProjectorConfig | MLPNewlineProjectorConfig | str | None = None
     image_token_id: int | None = None
     video_token_id: int | None = None
     vision_start_token_id: int | None = None
@@ -123,6 +153,11 @@ class VLMConfig:
         elif isinstance(self.llm, str):
             self.llm = LLMConfig.load(self.llm)
         self.projector.check_widths(self.vision.out_hidden_size, self.llm.hidden_size)
+        if family.projector_required and self.projector_type != family.projector:
+            raise ValueError(
+                f"projector ({self.projector_type!r}) cannot feed vision.type {self.vision_type!r} ({family.name}): "
+                f"it needs projector {family.projector!r}"
+            )
         if family.mrope and self.llm.mrope_section is None:
             raise ValueError(
                 f"llm.rope_scaling has no mrope_section: a {family.name} language model takes multimodal RoPE "
@@ -199,20 +234,21 @@ class VLMConfig:
             ValueError: an unsupported ``model_type``, no ``vision_config``, a ``vision_config`` of another family,
                 or a field that fails validation.
         """
-        by_model_type = {f.model_type: f for f in FAMILIES.values()}
         model_type = hf.get("model_type")
-        if model_type not in by_model_type:
-            supported = ", ".join(f"{f.model_type} ({f.name})" for f in FAMILIES.values())
+        families = [f for f in FAMILIES.values() if f.model_type == model_type]
+        if not families:
+            supported = ", ".join(dict.fromkeys(f"{f.model_type} ({f.name})" for f in FAMILIES.values()))
             raise ValueError(f"model_type ({model_type!r}) is not supported; supported: {supported}")
-        family = by_model_type[model_type]
         if "vision_config" not in hf:
-            raise ValueError(f"a {family.name} config.json needs a vision_config")
-        vision_type = hf["vision_config"].get("model_type")
-        if vision_type is not None and vision_type not in family.vision_model_types:
+            raise ValueError(f"a {families[0].name} config.json needs a vision_config")
+        vision_type = hf["vision_config"].get("model_type", _HF_DEFAULT_VISION.get(model_type))
+        if vision_type is None:
+            return families[0].from_hf(hf)
+        family = next((f for f in families if vision_type in f.vision_model_types), None)
+        if family is None:
+            types = [t for f in families for t in f.vision_model_types]
             owner = next((f for f in FAMILIES.values() if vision_type in f.vision_model_types), None)
-            takes = (
-                f"{model_type!r} takes a vision_config of model_type {' / '.join(family.vision_model_types)}"
-            )
+            takes = f"{model_type!r} takes a vision_config of model_type {' / '.join(types)}"
             if owner is None:
                 raise ValueError(f"vision_config model_type ({vision_type!r}) is not supported: {takes}")
             raise ValueError(
@@ -264,7 +300,8 @@ def _section(value: Any, types: Mapping[str, type], field: str, *, default: str 
 
 
 def _type_of(config: Any, types: Mapping[str, type]) -> str:
-    return next(k for k, v in types.items() if isinstance(config, v))
+    # The exact class: one config class may extend another (CLIP's and LLaVA-OneVision's extend SigLIP's).
+    return next(k for k, v in types.items() if type(config) is v)
 
 
 # ---------------------------------------------------------------- Qwen2.5-VL
@@ -331,27 +368,25 @@ def _qwen3_vl_to_hf(config: VLMConfig) -> dict[str, Any]:
 # ---------------------------------------------------------------- LLaVA
 
 
-def _llava_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
-    """The LLM may be any architecture :class:`LLMConfig` reads (Llama, Qwen2, Qwen3, ...)."""
-    hf = {**_HF_LLAVA_DEFAULTS, **hf}
-    vision = hf["vision_config"]
-    if "model_type" not in vision:
-        raise ValueError(
-            "a LLaVA vision_config needs its model_type ('siglip_vision_model'): transformers reads one without "
-            "as CLIP"
-        )
+def _llava_text(hf: Mapping[str, Any], default_model_type: str) -> LLMConfig:
+    """The LLM of a LLaVA-style ``config.json``: any architecture :class:`LLMConfig` reads (Llama, Qwen2, ...)."""
     if "text_config" not in hf:
-        raise ValueError("a LLaVA config.json needs a text_config")
-    text = {"model_type": "llama", **hf["text_config"]}  # transformers' default text model
+        raise ValueError(f"a {hf['model_type']} config.json needs a text_config")
+    text = {"model_type": default_model_type, **hf["text_config"]}  # transformers' default text model
     # LlavaConfig lifts the text config's flag to the top level, where transformers ties by it.
     text["tie_word_embeddings"] = bool(hf.get("tie_word_embeddings") or text.get("tie_word_embeddings"))
+    return LLMConfig.from_hf(text)
+
+
+def _llava_from_hf(hf: Mapping[str, Any], *, vision_config: type[SiglipVisionConfig]) -> VLMConfig:
+    hf = {**_HF_LLAVA_DEFAULTS, **hf}
     return VLMConfig(
-        vision=SiglipVisionConfig.from_hf(
-            vision,
+        vision=vision_config.from_hf(
+            hf["vision_config"],
             feature_layer=hf["vision_feature_layer"],
             feature_select_strategy=hf["vision_feature_select_strategy"],
         ),
-        llm=LLMConfig.from_hf(text),
+        llm=_llava_text(hf, "llama"),
         projector=MLPProjectorConfig(
             bias=hf["multimodal_projector_bias"], hidden_act=hf["projector_hidden_act"]
         ),
@@ -374,6 +409,54 @@ def _llava_to_hf(config: VLMConfig) -> dict[str, Any]:
         "projector_hidden_act": projector.hidden_act,
         "tie_word_embeddings": config.llm.tie_word_embeddings,
     }
+
+
+# ---------------------------------------------------------------- LLaVA-OneVision
+
+
+def _onevision_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
+    hf = {**_HF_ONEVISION_DEFAULTS, **hf}
+    return VLMConfig(
+        vision=AnyResVisionConfig.from_hf(
+            hf["vision_config"],
+            feature_layer=hf["vision_feature_layer"],
+            feature_select_strategy=hf["vision_feature_select_strategy"],
+            image_grid_pinpoints=hf.get("image_grid_pinpoints"),
+            vision_aspect_ratio=hf["vision_aspect_ratio"],
+        ),
+        llm=_llava_text(hf, "qwen2"),
+        projector=MLPNewlineProjectorConfig(
+            bias=hf["multimodal_projector_bias"], hidden_act=hf["projector_hidden_act"]
+        ),
+        image_token_id=hf.get("image_token_id", hf["image_token_index"]),
+        video_token_id=hf.get("video_token_id", hf["video_token_index"]),
+    )
+
+
+def _onevision_to_hf(config: VLMConfig) -> dict[str, Any]:
+    hf = _llava_to_hf(config)
+    del hf["image_seq_length"]  # tokens per image vary with its size
+    return {
+        **hf,
+        "video_token_index": config.video_token_id,
+        "image_grid_pinpoints": config.vision.image_grid_pinpoints,
+        "vision_aspect_ratio": config.vision.vision_aspect_ratio,
+    }
+
+
+def _llava_family(vision_config: type[SiglipVisionConfig]) -> Family:
+    """LLaVA with the tower of ``vision_config`` (SigLIP or CLIP)."""
+    return Family(
+        name="LLaVA",
+        model_type="llava",
+        architecture="LlavaForConditionalGeneration",
+        vision_model_types=(vision_config.HF_MODEL_TYPE,),
+        projector="mlp",
+        mrope=False,
+        fields={"image_token_id": None},
+        from_hf=functools.partial(_llava_from_hf, vision_config=vision_config),
+        to_hf=_llava_to_hf,
+    )
 
 
 # <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|> of the Qwen2-VL vocabulary, which later Qwen-VL keep.
@@ -409,16 +492,20 @@ FAMILIES: dict[str, Family] = {
         to_hf=_qwen3_vl_to_hf,
         mrope_interleaved=True,
     ),
-    "siglip": Family(
-        name="LLaVA",
-        model_type="llava",
-        architecture="LlavaForConditionalGeneration",
+    "siglip": _llava_family(SiglipVisionConfig),
+    "clip": _llava_family(ClipVisionConfig),
+    "siglip_anyres": Family(
+        name="LLaVA-OneVision",
+        model_type="llava_onevision",
+        architecture="LlavaOnevisionForConditionalGeneration",
         vision_model_types=("siglip_vision_model",),
-        projector="mlp",
+        projector="mlp_newline",
         mrope=False,
-        fields={"image_token_id": None},
-        from_hf=_llava_from_hf,
-        to_hf=_llava_to_hf,
+        # The video placeholder is kept for the checkpoint; videos are not encoded (yet).
+        fields={"image_token_id": None, "video_token_id": _HF_ONEVISION_DEFAULTS["video_token_index"]},
+        from_hf=_onevision_from_hf,
+        to_hf=_onevision_to_hf,
+        projector_required=True,
     ),
 }
 """The composed architectures by ``vision.type``."""

@@ -1,5 +1,5 @@
-"""Hugging Face interchange of whole VLM checkpoints (``config.json`` and safetensors): Qwen2.5-VL, Qwen3-VL and
-LLaVA.
+"""Hugging Face interchange of whole VLM checkpoints (``config.json`` and safetensors): Qwen2.5-VL, Qwen3-VL,
+LLaVA (SigLIP or CLIP tower) and LLaVA-OneVision.
 
 Tensor names by family (:data:`LAYOUTS`; every listed layout is read, the first one written)::
 
@@ -10,7 +10,8 @@ Tensor names by family (:data:`LAYOUTS`; every listed layout is read, the first 
     llm.model.*          model.language_model.*     | model.*      language_model.model.* | model.language_model.*
     llm.lm_head.weight   lm_head.weight                            language_model.lm_head.weight | lm_head.weight
 
-``lm_head.weight`` is absent when ``tie_word_embeddings``. LLaVA is written in the published layout, which every
+LLaVA-OneVision has LLaVA's names and ``image_newline`` (ours ``projector.image_newline``; transformers 5 in memory
+``model.image_newline``). ``lm_head.weight`` is absent when ``tie_word_embeddings``. LLaVA is written in the published layout, which every
 transformers version loads (transformers 5 maps it onto its own). Rotary ``inv_freq`` buffers and SigLIP's
 attention-pooling head (``vision.head.*``, unused by LLaVA) are skipped on load.
 """
@@ -101,22 +102,26 @@ _QWEN_VL_LAYOUT = Layout(
     skipped=(r"inv_freq$",),
 )
 
+_LLAVA_PREFIXES = {
+    "vision.": (
+        "vision_tower.vision_model.",
+        "vision_tower.",
+        "model.vision_tower.vision_model.",
+        "model.vision_tower.",
+    ),
+    "projector.": ("multi_modal_projector.", "model.multi_modal_projector."),
+    "llm.model.": ("language_model.model.", "model.language_model.", "language_model."),
+    "llm.lm_head.": ("language_model.lm_head.", "lm_head."),
+}
+_LLAVA_SKIPPED = (r"inv_freq$", r"^vision\.head\.")
+
 LAYOUTS: dict[str, Layout] = {
     "qwen2_5_vl": _QWEN_VL_LAYOUT,
     "qwen3_vl": _QWEN_VL_LAYOUT,
-    "llava": Layout(
-        prefixes={
-            "vision.": (
-                "vision_tower.vision_model.",
-                "vision_tower.",
-                "model.vision_tower.vision_model.",
-                "model.vision_tower.",
-            ),
-            "projector.": ("multi_modal_projector.", "model.multi_modal_projector."),
-            "llm.model.": ("language_model.model.", "model.language_model.", "language_model."),
-            "llm.lm_head.": ("language_model.lm_head.", "lm_head."),
-        },
-        skipped=(r"inv_freq$", r"^vision\.head\."),
+    "llava": Layout(prefixes=_LLAVA_PREFIXES, skipped=_LLAVA_SKIPPED),
+    "llava_onevision": Layout(
+        prefixes={**_LLAVA_PREFIXES, "projector.image_newline": ("image_newline", "model.image_newline")},
+        skipped=_LLAVA_SKIPPED,
     ),
 }
 """Tensor names by ``model_type``."""
@@ -126,7 +131,7 @@ def from_pretrained(path: str | os.PathLike[str], *, attention_backend: str = "a
     """A :class:`VisionLanguageModel` built from the ``config.json`` in ``path`` and filled with its weights.
 
     Args:
-        path: a Qwen2.5-VL, Qwen3-VL or LLaVA checkpoint directory (``model.safetensors`` or a sharded index).
+        path: a Qwen2.5-VL, Qwen3-VL, LLaVA or LLaVA-OneVision checkpoint directory (``model.safetensors`` or a sharded index).
         attention_backend: see :class:`VisionLanguageModel`.
 
     Raises:
@@ -160,8 +165,8 @@ def save_pretrained(
     state_dict: Mapping[str, Tensor] | None = None,
 ) -> Path:
     """Export ``model`` as a checkpoint directory of its family (atomically, with a manifest) that transformers'
-    ``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3VLForConditionalGeneration`` / ``LlavaForConditionalGeneration``
-    loads.
+    ``Qwen2_5_VLForConditionalGeneration`` / ``Qwen3VLForConditionalGeneration`` / ``LlavaForConditionalGeneration`` /
+    ``LlavaOnevisionForConditionalGeneration`` loads.
 
     Args:
         model: the model to export (full, unsharded tensors on any device).

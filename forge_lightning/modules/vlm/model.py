@@ -123,8 +123,10 @@ class VisionLanguageModel(nn.Module):
             video_grid_thw: Qwen-VL: ``[num_videos, 3]`` patch grids of the videos.
             second_per_grid_ts: Qwen2.5-VL: seconds per temporal grid step of each video (default 1); Qwen3-VL
                 times its frames with timestamp text instead and refuses it.
-            image_sizes: LLaVA: ``[num_images, 2]`` as its processors return it; every SigLIP image is resized to
-                ``image_size``, so it changes nothing (accepted so that a processor's output passes whole).
+            image_sizes: LLaVA: ``[num_images, 2]`` (height, width) as its processors return it. LLaVA-OneVision
+                tiles each image by it (and takes ``pixel_values`` as every image's tiles, see
+                :class:`~forge_lightning.modules.vlm.towers.AnyResVisionTower`); for LLaVA every image is resized
+                to ``image_size``, so it changes nothing (accepted so that a processor's output passes whole).
             document_ids: packed rows: ``[B, S]`` non-decreasing document index of each token; the LLM attends within
                 each document and positions restart at each (the images and videos are those of the documents in
                 order). Takes no ``attention_mask``: padding is a document of its own.
@@ -138,22 +140,20 @@ class VisionLanguageModel(nn.Module):
             ValueError: an argument the encoder type does not take, or the number of placeholder tokens differs from
                 the number of features of their images or videos (both named).
         """
-        media = {
-            "image": (pixel_values, image_grid_thw),
-            "video": (pixel_values_videos, video_grid_thw),
+        inputs = {
+            "pixel_values": pixel_values,
+            "image_grid_thw": image_grid_thw,
+            "pixel_values_videos": pixel_values_videos,
+            "video_grid_thw": video_grid_thw,
+            "second_per_grid_ts": second_per_grid_ts,
+            "image_sizes": image_sizes,
         }
-        self._check_inputs(
-            pixel_values=pixel_values,
-            image_grid_thw=image_grid_thw,
-            pixel_values_videos=pixel_values_videos,
-            video_grid_thw=video_grid_thw,
-            second_per_grid_ts=second_per_grid_ts,
-            image_sizes=image_sizes,
-        )
+        self._check_inputs(**inputs)
         x_BSD = self.llm.model.embed_tokens(input_ids)
         deepstack: list[Tensor] = []  # [B, S, D] per decoder layer: zero but at the placeholders
         for kind in self.tower.kinds:
-            x_BSD, layers = self._insert(x_BSD, input_ids, kind, *media[kind])
+            pixels, grid = inputs[_PIXELS[kind]], inputs[self.tower.grid_inputs[kind]]
+            x_BSD, layers = self._insert(x_BSD, input_ids, kind, pixels, grid)
             if layers:  # image and video placeholders differ, so their sum holds each at its own tokens
                 deepstack = [a + b for a, b in zip(deepstack, layers)] if deepstack else layers
         if document_ids is not None and attention_mask is not None:
@@ -198,8 +198,11 @@ class VisionLanguageModel(nn.Module):
                     f"input_ids hold {num_slots} {name} tokens but no {kind} pixels were given ({_PIXELS[kind]})"
                 )
             return x_BSD, []
-        features_ND, layers_ND = self.tower.encode_layers(self.vision, pixels, grid_thw, kind)
-        features_ND = self.projector(features_ND).to(x_BSD.dtype)
+        features, layers_ND = self.tower.encode_layers(self.vision, pixels, grid_thw, kind)
+        features_ND = self.tower.arrange(
+            self.config, self.projector, self.projector(features), grid_thw, kind
+        )
+        features_ND = features_ND.to(x_BSD.dtype)
         num_features = features_ND.shape[0]
         if num_features != num_slots:
             origin = self.tower.describe_count(self.config, kind, pixels, num_features)

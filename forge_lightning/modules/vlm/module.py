@@ -411,13 +411,12 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
         tokens = sum(lengths)
         matmuls = llm_flops_per_token(llm, 1) - attention_flops_per_token(llm, [1])  # 6 N per token
         flops = matmuls * tokens + attention_flops_per_token(llm, lengths) * tokens
-        for kind, (pixels_key, grid_key) in {
-            "image": ("pixel_values", "image_grid_thw"),
-            "video": ("pixel_values_videos", "video_grid_thw"),
-        }.items():
+        tower = self.model.tower
+        for kind, pixels_key in {"image": "pixel_values", "video": "pixel_values_videos"}.items():
             pixels = batch.get(pixels_key)
-            if pixels is not None and kind in self.model.tower.kinds:
-                flops += self.model.tower.training_flops(self.model.vision, pixels, batch.get(grid_key))
+            if pixels is not None and kind in tower.kinds:
+                grid = batch.get(tower.grid_inputs[kind])
+                flops += tower.training_flops(self.model.vision, pixels, grid)
         samples = len(lengths) if document_ids is not None else input_ids.shape[0]
         return {"samples": samples, "tokens": tokens, "flops": flops}
 

@@ -2,13 +2,17 @@
 
 ``mlp`` is LLaVA's multi-modal projector (Liu et al. 2023, "Improved Baselines with Visual Instruction Tuning",
 arXiv:2310.03744): ``linear_2(act(linear_1(x)))``, with transformers' names below ``multi_modal_projector.``.
-``none`` is for encoders that already end in the LLM's width (Qwen2.5-VL's patch merger).
+``mlp_newline`` is LLaVA-OneVision's: the same MLP and an ``image_newline`` embedding (transformers keeps it beside
+the projector, as ``image_newline``). ``none`` is for encoders that already end in the LLM's width (Qwen2.5-VL's
+patch merger).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from forge_lightning.modules.layers import init_linear
@@ -61,7 +65,24 @@ class MLPProjectorConfig:
         )
 
 
-PROJECTORS: dict[str, type] = {"none": IdentityProjectorConfig, "mlp": MLPProjectorConfig}
+@dataclass(kw_only=True)
+class MLPNewlineProjectorConfig(MLPProjectorConfig):
+    """LLaVA-OneVision's projector (``projector: mlp_newline``): LLaVA's MLP and the learned ``image_newline``
+    embedding that ends every row of an image's tile features (see :mod:`~forge_lightning.modules.vlm.anyres`).
+    The fields are :class:`MLPProjectorConfig`'s."""
+
+    def build(self, vision_width: int, llm_width: int, *, init_std: float = 0.02) -> nn.Module:
+        """A freshly initialised :class:`NewlineProjector`."""
+        return NewlineProjector(
+            vision_width, llm_width, bias=self.bias, hidden_act=self.hidden_act, init_std=init_std
+        )
+
+
+PROJECTORS: dict[str, type] = {
+    "none": IdentityProjectorConfig,
+    "mlp": MLPProjectorConfig,
+    "mlp_newline": MLPNewlineProjectorConfig,
+}
 """Projector configs by the name a ``projector`` section gives (its ``type``)."""
 
 
@@ -99,3 +120,25 @@ class MultiModalProjector(nn.Module):
 
     def forward(self, features: Tensor) -> Tensor:
         return self.linear_2(self.act(self.linear_1(features)))
+
+
+class NewlineProjector(MultiModalProjector):
+    """:class:`MultiModalProjector` with LLaVA-OneVision's ``image_newline`` ``[llm_width]``, the embedding the
+    tower puts after each row of an image's tile features (its forward is the MLP's).
+
+    Args:
+        vision_width: width of the encoder's features.
+        llm_width: the LLM's hidden size.
+        options: :class:`MultiModalProjector`'s (``bias``, ``hidden_act``, ``init_std`` of the MLP weights);
+            ``image_newline`` is drawn with ``1 / sqrt(llm_width)``, as transformers does.
+    """
+
+    def __init__(self, vision_width: int, llm_width: int, **options: Any) -> None:
+        super().__init__(vision_width, llm_width, **options)
+        self.image_newline = nn.Parameter(torch.empty(llm_width))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "image_newline"):  # the MLP's __init__ resets before the newline exists
+            nn.init.normal_(self.image_newline, std=self.image_newline.numel() ** -0.5)

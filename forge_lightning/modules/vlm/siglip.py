@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -66,6 +66,36 @@ _HF_RENAMES = {
 }
 _POSITIVE_INTS = ("hidden_size", "intermediate_size", "num_layers", "num_heads", "image_size", "patch_size")
 
+PRESETS: dict[str, dict[str, Any]] = {
+    # https://huggingface.co/google/siglip-so400m-patch14-384/blob/main/config.json (vision_config)
+    "siglip-so400m-patch14-384": {
+        "hidden_size": 1152,
+        "intermediate_size": 4304,
+        "num_layers": 27,
+        "num_heads": 16,
+        "image_size": 384,
+        "patch_size": 14,
+    },
+    # https://huggingface.co/google/siglip-base-patch16-224/blob/main/config.json (vision_config)
+    "siglip-base-patch16-224": {
+        "hidden_size": 768,
+        "intermediate_size": 3072,
+        "num_layers": 12,
+        "num_heads": 12,
+        "image_size": 224,
+        "patch_size": 16,
+    },
+    "debug": {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_layers": 3,
+        "num_heads": 2,
+        "image_size": 16,
+        "patch_size": 4,
+    },
+}
+"""SigLIP tower sizes by name (``SiglipVisionConfig.from_preset``)."""
+
 
 @dataclass(kw_only=True)
 class SiglipVisionConfig:
@@ -86,7 +116,18 @@ class SiglipVisionConfig:
             along the width).
         feature_select_strategy: ``full`` keeps every token, ``default`` drops each image's first one (LLaVA's
             ``vision_feature_select_strategy``; LLaVA-OneVision uses ``full`` with SigLIP).
+
+    Subclasses for towers of the same layers (CLIP) set the class attributes: the ``config.json`` they read and
+    write, the presets, and whether a class token leads the patches.
     """
+
+    NAME: ClassVar[str] = "SigLIP"
+    HF_MODEL_TYPE: ClassVar[str] = HF_MODEL_TYPE
+    HF_DEFAULTS: ClassVar[Mapping[str, Any]] = _HF_DEFAULTS
+    HF_EXTRA: ClassVar[Mapping[str, Any]] = {"vision_use_head": False}
+    """Keys written into the ``vision_config`` beside the fields."""
+    PRESETS: ClassVar[Mapping[str, Mapping[str, Any]]] = PRESETS
+    CLASS_TOKEN: ClassVar[bool] = False
 
     hidden_size: int
     intermediate_size: int
@@ -144,9 +185,14 @@ class SiglipVisionConfig:
         return self.feature_layer if isinstance(self.feature_layer, list) else [self.feature_layer]
 
     @property
+    def num_tokens(self) -> int:
+        """Tokens per image in the encoder: the patches and the class token, if the tower has one."""
+        return self.num_patches + self.CLASS_TOKEN
+
+    @property
     def tokens_per_image(self) -> int:
         """Feature tokens per image after :attr:`feature_select_strategy` (image tokens in the text per image)."""
-        return self.num_patches - (self.feature_select_strategy == "default")
+        return self.num_tokens - (self.feature_select_strategy == "default")
 
     @property
     def out_hidden_size(self) -> int:
@@ -156,9 +202,9 @@ class SiglipVisionConfig:
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> SiglipVisionConfig:
         """Build ``PRESETS[name]`` with ``overrides`` applied."""
-        if name not in PRESETS:
-            raise KeyError(f"unknown SigLIP preset {name!r}; presets: {', '.join(PRESETS)}")
-        return cls(**{**PRESETS[name], **overrides})
+        if name not in cls.PRESETS:
+            raise KeyError(f"unknown {cls.NAME} preset {name!r}; presets: {', '.join(cls.PRESETS)}")
+        return cls(**{**cls.PRESETS[name], **overrides})
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any], **overrides: Any) -> SiglipVisionConfig:
@@ -173,22 +219,22 @@ class SiglipVisionConfig:
                 value that fails the checks of :class:`SiglipVisionConfig`.
         """
         hf = hf.get("vision_config", hf)
-        if hf.get("model_type", HF_MODEL_TYPE) != HF_MODEL_TYPE:
+        if hf.get("model_type", cls.HF_MODEL_TYPE) != cls.HF_MODEL_TYPE:
             raise ValueError(
-                f"vision_config model_type ({hf['model_type']!r}) must be {HF_MODEL_TYPE!r} (SigLIP)"
+                f"vision_config model_type ({hf['model_type']!r}) must be {cls.HF_MODEL_TYPE!r} ({cls.NAME})"
             )
         if hf.get("attention_dropout", 0.0):
             raise ValueError(
                 f"vision_config attention_dropout ({hf['attention_dropout']}) is not supported; only 0.0"
             )
-        values = {_HF_RENAMES.get(k, k): _square(k, hf.get(k, v)) for k, v in _HF_DEFAULTS.items()}
+        values = {_HF_RENAMES.get(k, k): _square(k, hf.get(k, v)) for k, v in cls.HF_DEFAULTS.items()}
         return cls(**{**values, **overrides})
 
     def to_hf(self) -> dict[str, Any]:
-        """The ``vision_config`` dict transformers builds this tower from (without the pooling head)."""
+        """The ``vision_config`` dict transformers builds this tower from (SigLIP's without the pooling head)."""
         values = dataclasses.asdict(self)
-        hf = {key: values[_HF_RENAMES.get(key, key)] for key in _HF_DEFAULTS}
-        return {**hf, "model_type": HF_MODEL_TYPE, "attention_dropout": 0.0, "vision_use_head": False}
+        hf = {key: values[_HF_RENAMES.get(key, key)] for key in self.HF_DEFAULTS}
+        return {**hf, "model_type": self.HF_MODEL_TYPE, "attention_dropout": 0.0, **self.HF_EXTRA}
 
 
 def _square(key: str, value: Any) -> Any:
@@ -217,37 +263,6 @@ def check_layers(layers: Sequence[int], num_layers: int, field: str) -> list[int
             f"(0 is the embeddings, {num_layers} or -1 the last of vision.num_layers={num_layers} layers)"
         )
     return [i % (num_layers + 1) for i in layers]
-
-
-PRESETS: dict[str, dict[str, Any]] = {
-    # https://huggingface.co/google/siglip-so400m-patch14-384/blob/main/config.json (vision_config)
-    "siglip-so400m-patch14-384": {
-        "hidden_size": 1152,
-        "intermediate_size": 4304,
-        "num_layers": 27,
-        "num_heads": 16,
-        "image_size": 384,
-        "patch_size": 14,
-    },
-    # https://huggingface.co/google/siglip-base-patch16-224/blob/main/config.json (vision_config)
-    "siglip-base-patch16-224": {
-        "hidden_size": 768,
-        "intermediate_size": 3072,
-        "num_layers": 12,
-        "num_heads": 12,
-        "image_size": 224,
-        "patch_size": 16,
-    },
-    "debug": {
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_layers": 3,
-        "num_heads": 2,
-        "image_size": 16,
-        "patch_size": 4,
-    },
-}
-"""SigLIP tower sizes by name (``SiglipVisionConfig.from_preset``)."""
 
 
 class SiglipEmbeddings(nn.Module):
@@ -362,10 +377,13 @@ class SiglipVisionTransformer(nn.Module):
             torch's default initialisation, for an owner that applies a scheme of its own (Pi0.5's image path).
     """
 
+    embeddings_type: ClassVar[type[nn.Module]] = SiglipEmbeddings
+    """The patch embedding (a subclass with another embedding, CLIP's, sets its own)."""
+
     def __init__(self, config: SiglipVisionConfig, *, init: bool = True) -> None:
         super().__init__()
         self.config = config
-        self.embeddings = SiglipEmbeddings(config)
+        self.embeddings = self.embeddings_type(config)
         # A ModuleDict for transformers' names: encoder.layers.N.
         self.encoder = nn.ModuleDict(
             {"layers": nn.ModuleList(SiglipEncoderLayer(config) for _ in range(config.num_layers))}
@@ -373,6 +391,11 @@ class SiglipVisionTransformer(nn.Module):
         self.post_layernorm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
         if init:
             self.init_weights()
+
+    def embed(self, pixel_values: Tensor) -> Tensor:
+        """``[N, C, S, S]`` images to the ``[N, T, hidden]`` input of the first layer (transformers'
+        ``hidden_states[0]``)."""
+        return self.embeddings(pixel_values)
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -399,7 +422,7 @@ class SiglipVisionTransformer(nn.Module):
                 f"pixel_values must be [num_images, {', '.join(map(str, expected))}] (vision.in_channels, "
                 f"vision.image_size twice), got {list(pixel_values.shape)}"
             )
-        x_NTD = self.embeddings(pixel_values)
+        x_NTD = self.embed(pixel_values)
         states = {0: x_NTD}
         for i, layer in enumerate(self.encoder.layers[: max(indices)], start=1):
             x_NTD = layer(x_NTD)
@@ -433,12 +456,13 @@ def from_hf_state_dict(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
 def load_hf_siglip_weights(
     encoder: SiglipVisionTransformer, state: Mapping[str, Tensor], *, source: str = "state dict"
 ) -> SiglipVisionTransformer:
-    """Copy the tower's weights of a transformers SigLIP state dict (see :func:`from_hf_state_dict`) into
-    ``encoder``; return it.
+    """Copy the tower's weights of a transformers SigLIP (or, for a CLIP ``encoder``, CLIP) state dict (see
+    :func:`from_hf_state_dict`) into ``encoder``; return it.
 
     Raises:
         ValueError: they do not match the tower's parameters (missing, unexpected or differently shaped entries;
             the message names them and ``source``).
     """
-    load_exact(encoder, from_hf_state_dict(state), what=f"the SigLIP weights of {source}", owner="tower")
+    what = f"the {encoder.config.NAME} weights of {source}"
+    load_exact(encoder, from_hf_state_dict(state), what=what, owner="tower")
     return encoder

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor, nn
 
 from forge_lightning.modules.layers.attention import document_positions
+from forge_lightning.modules.vlm.anyres import image_sizes_list, num_tiles, pack_image, stack_tiles
+from forge_lightning.modules.vlm.clip import ClipVisionTransformer
 from forge_lightning.modules.vlm.positions import get_packed_rope_index, get_rope_index
 from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionTransformer
 from forge_lightning.modules.vlm.qwen3_vit import Qwen3VisionTransformer
@@ -27,10 +29,12 @@ class VisionTower:
     Attributes:
         kinds: the media it encodes (``image``, ``video``); each has a ``<kind>_token_id`` in the config.
         inputs: the optional arguments of ``VisionLanguageModel.forward`` it takes (others must be ``None``).
+        grid_inputs: the argument that lays out the pixels of each kind (the ``grid`` of :meth:`encode`).
     """
 
     kinds: tuple[str, ...] = ("image",)
     inputs: frozenset[str] = frozenset({"pixel_values"})
+    grid_inputs: dict[str, str] = {"image": "image_grid_thw", "video": "video_grid_thw"}
 
     def build(self, config: Any, attention_backend: str) -> nn.Module:
         """The encoder for the ``vision`` config."""
@@ -41,8 +45,16 @@ class VisionTower:
         raise NotImplementedError
 
     def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:
-        """The encoder's features of ``pixels``, one row per placeholder token: ``[num_tokens, out_hidden_size]``."""
+        """The encoder's features of ``pixels``, one row per placeholder token: ``[num_tokens, out_hidden_size]``
+        (or features that :meth:`arrange` lays out after the projector)."""
         raise NotImplementedError
+
+    def arrange(
+        self, config: Any, projector: nn.Module, features: Tensor, grid: Tensor | None, kind: str
+    ) -> Tensor:
+        """The projected features of :meth:`encode` as ``[num_tokens, llm hidden]``, one row per placeholder
+        token; as they are by default."""
+        return features
 
     def encode_layers(
         self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str
@@ -238,6 +250,17 @@ class SiglipVisionTower(VisionTower):
         # Equal-size images are a dense batch: SDPA without a mask, so there is no attention backend to choose.
         return SiglipVisionTransformer(config)
 
+    def per_image(self, config: Any) -> str:
+        """How one image's feature count is written, for the placeholder-count error."""
+        v = config.vision
+        class_token = " + 1 (the class token)" if v.CLASS_TOKEN else ""
+        dropped = (
+            " - 1 (vision.feature_select_strategy 'default')"
+            if v.feature_select_strategy == "default"
+            else ""
+        )
+        return f"(image_size // patch_size) ** 2{class_token}{dropped}"
+
     def placeholder(self, kind: str) -> str:
         return "<image>"
 
@@ -253,20 +276,15 @@ class SiglipVisionTower(VisionTower):
         layers = max(check_layers(c.feature_layers, c.num_layers, "vision.feature_layer"))
         per_layer = sum(p.numel() for p in encoder.encoder.layers[0].parameters())
         patch_embed = sum(p.numel() for p in encoder.embeddings.patch_embedding.parameters())
-        tokens = pixels.shape[0] * c.num_patches
+        tokens = pixels.shape[0] * c.num_tokens
         flops = 6.0 * (layers * per_layer + patch_embed) * tokens
-        return flops + 12.0 * c.hidden_size * layers * c.num_patches**2 * pixels.shape[0]
+        return flops + 12.0 * c.hidden_size * layers * c.num_tokens**2 * pixels.shape[0]
 
     def describe_count(self, config: Any, kind: str, pixels: Tensor, num_features: int) -> str:
         v = config.vision
-        dropped = (
-            " - 1 (vision.feature_select_strategy 'default')"
-            if v.feature_select_strategy == "default"
-            else ""
-        )
         return (
             f"pixel_values give {num_features} image features ({pixels.shape[0]} images x {v.tokens_per_image}: "
-            f"(image_size // patch_size) ** 2{dropped})"
+            f"{self.per_image(config)})"
         )
 
     def positions(
@@ -284,6 +302,47 @@ class SiglipVisionTower(VisionTower):
         return positions_BS, torch.zeros(B, 1, dtype=torch.long, device=input_ids.device)
 
 
+class ClipVisionTower(SiglipVisionTower):
+    """LLaVA-1.5 with CLIP: SigLIP's inputs and positions; each image's tokens start with CLIP's class token, which
+    ``feature_select_strategy: default`` drops."""
+
+    def build(self, config: Any, attention_backend: str) -> nn.Module:
+        return ClipVisionTransformer(config)
+
+
+class AnyResVisionTower(SiglipVisionTower):
+    """LLaVA-OneVision: the SigLIP tower over every image's tiles (``pixel_values`` ``[num_tiles, 3, S, S]``, or
+    ``[num_images, max_tiles, 3, S, S]`` as its processor pads them) laid out by ``image_sizes``; after the projector
+    each image's features are packed with ``image_newline`` (:func:`~forge_lightning.modules.vlm.anyres.pack_image`).
+    1-D positions, as LLaVA's."""
+
+    grid_inputs = {"image": "image_sizes"}
+
+    def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:
+        tiles = stack_tiles(encoder.config, pixels, image_sizes_list(grid_thw))
+        return encoder(tiles)  # [num_tiles, T, out_hidden_size]
+
+    def arrange(
+        self, config: Any, projector: nn.Module, features: Tensor, grid: Tensor | None, kind: str
+    ) -> Tensor:
+        sizes = image_sizes_list(grid)
+        images = features.split([num_tiles(config.vision, s) for s in sizes])
+        return torch.cat(
+            [pack_image(config.vision, f, s, projector.image_newline) for f, s in zip(images, sizes)]
+        )
+
+    def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None) -> float:
+        """SigLIP's, over the tiles the images have (padding tiles are not encoded)."""
+        tiles = stack_tiles(encoder.config, pixels, image_sizes_list(grid_thw))
+        return super().training_flops(encoder, tiles, None)
+
+    def describe_count(self, config: Any, kind: str, pixels: Tensor, num_features: int) -> str:
+        return (
+            f"image_sizes give {num_features} image features (per image: the base tile's (image_size // "
+            "patch_size) ** 2, then each row of its unpadded tile features and an image_newline)"
+        )
+
+
 def _spans(length: int, size: int) -> list[int]:
     """Lengths of the pieces of ``length`` cut every ``size`` (the last one shorter)."""
     return [min(size, length - start) for start in range(0, length, size)]
@@ -299,5 +358,7 @@ TOWERS: dict[str, VisionTower] = {
     "qwen2_5_vit": Qwen25VisionTower(),
     "qwen3_vit": Qwen3VisionTower(),
     "siglip": SiglipVisionTower(),
+    "clip": ClipVisionTower(),
+    "siglip_anyres": AnyResVisionTower(),
 }
 """The tower of each ``vision.type`` (the keys of :data:`~forge_lightning.modules.vlm.config.VISION_TYPES`)."""

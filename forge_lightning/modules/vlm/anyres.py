@@ -1,0 +1,212 @@
+"""Any-resolution tiling of LLaVA-OneVision (Li et al. 2024, arXiv:2408.03326; LLaVA-NeXT's "anyres"): each image
+is a base tile (the whole image resized to ``image_size``) followed by the tiles of its best-fitting grid from
+``image_grid_pinpoints``, all encoded by the same SigLIP tower. After the projector the features of one image are
+packed into one run of ``<image>`` tokens::
+
+    tiles [1 + rows * cols, T, D] (T = side * side tokens per tile)
+      base ─────────────────────────────────────────────────────────────────────────────┐
+      tiles ─ one [D, rows * side, cols * side] map ─ crop the padding (unpad) ─ shrink bilinearly when over
+              vision_aspect_ratio's max tiles ─ image_newline after every row ─ flatten ─ ┴─ [L, D]
+
+The geometry follows transformers' ``LlavaOnevisionModel.pack_image_features`` and its processor's token count
+(:func:`num_image_tokens`) exactly, rounding included.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from forge_lightning.modules.vlm.siglip import SiglipVisionConfig
+
+_ASPECT_RATIO = re.compile(r"anyres_max_(\d+)")
+_DEFAULT_GRID = range(1, 7)  # transformers' default pinpoints: 1 to 6 tiles a side
+
+
+@dataclass(kw_only=True)
+class AnyResVisionConfig(SiglipVisionConfig):
+    """The SigLIP tower of LLaVA-OneVision with its tiling (``vision.type: siglip_anyres``).
+
+    The fields are :class:`~forge_lightning.modules.vlm.siglip.SiglipVisionConfig`'s, plus:
+
+    Args:
+        image_grid_pinpoints: the ``[height, width]`` resolutions an image may be tiled at, each a multiple of
+            ``image_size`` (default: 1 to 6 tiles a side, as transformers).
+        vision_aspect_ratio: ``anyres_max_N``: an image's tile features are shrunk to about ``N`` tiles' worth.
+    """
+
+    image_grid_pinpoints: list[list[int]] | None = None
+    vision_aspect_ratio: str = "anyres_max_9"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.image_size % self.patch_size:
+            raise ValueError(
+                f"vision.patch_size ({self.patch_size}) must divide vision.image_size ({self.image_size}): the "
+                "tiles' features are laid out on a grid"
+            )
+        if self.feature_select_strategy != "full":
+            raise ValueError(
+                f"vision.feature_select_strategy ({self.feature_select_strategy!r}) must be 'full' for "
+                "siglip_anyres: every tile keeps its whole grid of features"
+            )
+        S = self.image_size
+        if self.image_grid_pinpoints is None:
+            self.image_grid_pinpoints = [[r * S, c * S] for r in _DEFAULT_GRID for c in _DEFAULT_GRID]
+        self.image_grid_pinpoints = [list(p) for p in self.image_grid_pinpoints]
+        bad = [
+            p
+            for p in self.image_grid_pinpoints
+            if len(p) != 2 or not all(isinstance(x, int) and x > 0 and x % S == 0 for x in p)
+        ]
+        if not self.image_grid_pinpoints or bad:
+            raise ValueError(
+                f"vision.image_grid_pinpoints must be [height, width] pairs of positive multiples of "
+                f"vision.image_size ({S}); these are not: {bad or '[] (empty)'}"
+            )
+        if not _ASPECT_RATIO.fullmatch(self.vision_aspect_ratio) or self.max_tiles == 0:
+            raise ValueError(
+                f"vision.vision_aspect_ratio ({self.vision_aspect_ratio!r}) must be 'anyres_max_N' with N >= 1 "
+                "(e.g. 'anyres_max_9')"
+            )
+
+    @property
+    def max_tiles(self) -> int:
+        """``N`` of :attr:`vision_aspect_ratio`."""
+        match = _ASPECT_RATIO.fullmatch(self.vision_aspect_ratio)
+        return int(match.group(1)) if match else 0
+
+    @property
+    def grid_side(self) -> int:
+        """Features a side of one tile."""
+        return self.image_size // self.patch_size
+
+
+def best_resolution(size_hw: Sequence[int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """The pinpoint ``(height, width)`` an image of ``size_hw`` is tiled at: the one that keeps the most of its pixels
+    when it is scaled to fit, and of those the one that wastes the least area."""
+    h, w = size_hw
+    best, best_kept, best_waste = None, 0, math.inf
+    for ph, pw in pinpoints:
+        scale = min(pw / w, ph / h)
+        kept = min(int(w * scale) * int(h * scale), w * h)
+        waste = ph * pw - kept
+        if kept > best_kept or (kept == best_kept and waste < best_waste):
+            best, best_kept, best_waste = (ph, pw), kept, waste
+    return best
+
+
+def tile_grid(config: AnyResVisionConfig, size_hw: Sequence[int]) -> tuple[int, int]:
+    """``(rows, cols)`` of tiles of an image of ``size_hw`` (beside its base tile)."""
+    ph, pw = best_resolution(size_hw, config.image_grid_pinpoints)
+    return ph // config.image_size, pw // config.image_size
+
+
+def num_tiles(config: AnyResVisionConfig, size_hw: Sequence[int]) -> int:
+    """The image's tiles in ``pixel_values``: its base tile and ``rows * cols`` grid tiles."""
+    rows, cols = tile_grid(config, size_hw)
+    return 1 + rows * cols
+
+
+class _Layout(NamedTuple):
+    """Where an image's tile features go: the crop of the ``[rows * side, cols * side]`` map, its size after
+    shrinking (the crop's own size when ``shrink`` is false)."""
+
+    rows: slice
+    cols: slice
+    out_hw: tuple[int, int]
+    shrink: bool
+
+
+def _layout(config: AnyResVisionConfig, size_hw: Sequence[int]) -> _Layout:
+    rows, cols = tile_grid(config, size_hw)
+    side = config.grid_side
+    H, W = rows * side, cols * side
+    h, w = size_hw
+    if w / h > W / H:  # wider than the grid: padding above and below
+        pad = (H - int(round(h * (W / w), 7))) // 2
+        crop = (slice(pad, H - pad), slice(0, W))
+    else:
+        pad = (W - int(round(w * (H / h), 7))) // 2
+        crop = (slice(0, H), slice(pad, W - pad))
+    h_crop, w_crop = (c.stop - c.start for c in crop)
+    ratio = math.sqrt(h_crop * w_crop / (config.max_tiles * side**2))
+    out_hw = (int(h_crop // ratio), int(w_crop // ratio)) if ratio > 1.1 else (h_crop, w_crop)
+    return _Layout(*crop, out_hw, ratio > 1.1)
+
+
+def num_image_tokens(config: AnyResVisionConfig, size_hw: Sequence[int]) -> int:
+    """``<image>`` tokens of one image of ``size_hw`` (height, width): the base tile's features, then each row of
+    the unpadded (and maybe shrunk) tile features and its newline."""
+    h, w = _layout(config, size_hw).out_hw
+    return config.grid_side**2 + h * (w + 1)
+
+
+def pack_image(
+    config: AnyResVisionConfig, features_NTD: Tensor, size_hw: Sequence[int], newline_D: Tensor
+) -> Tensor:
+    """One image's projected features ``[L, D]`` (``L`` = :func:`num_image_tokens`) from those of its tiles
+    ``[1 + rows * cols, T, D]``, base tile first."""
+    rows, cols = tile_grid(config, size_hw)
+    side = config.grid_side
+    base_TD, tiles_NTD = features_NTD[0], features_NTD[1:]
+    D = features_NTD.shape[-1]
+    # [rows, cols, side, side, D] -> [D, rows, side, cols, side] -> one [D, rows * side, cols * side] map
+    map_DHW = (
+        tiles_NTD.view(rows, cols, side, side, D).permute(4, 0, 2, 1, 3).reshape(D, rows * side, cols * side)
+    )
+    layout = _layout(config, size_hw)
+    map_DHW = map_DHW[:, layout.rows, layout.cols]
+    if layout.shrink:
+        map_DHW = F.interpolate(map_DHW[None], list(layout.out_hw), mode="bilinear")[0]
+    h, w = map_DHW.shape[1:]
+    newline_DH1 = newline_D.to(map_DHW.dtype)[:, None, None].expand(D, h, 1)
+    rows_LD = torch.cat([map_DHW, newline_DH1], dim=-1).flatten(1).T  # row by row, each ending in a newline
+    return torch.cat([base_TD, rows_LD])
+
+
+def image_sizes_list(image_sizes: Tensor | Sequence[Sequence[int]] | None) -> list[tuple[int, int]]:
+    """``image_sizes`` (``[num_images, 2]``, height and width) as a list of pairs.
+
+    Raises:
+        ValueError: it is missing, or not positive ``(height, width)`` pairs.
+    """
+    if image_sizes is None:
+        raise ValueError(
+            "vision.type 'siglip_anyres' (LLaVA-OneVision) needs image_sizes ([num_images, 2]: each image's height "
+            "and width before tiling) with pixel_values"
+        )
+    sizes = image_sizes.tolist() if isinstance(image_sizes, Tensor) else [list(s) for s in image_sizes]
+    if any(len(s) != 2 or min(s) <= 0 for s in sizes):
+        raise ValueError(f"image_sizes must be [num_images, 2] positive (height, width) pairs, got {sizes}")
+    return [(int(h), int(w)) for h, w in sizes]
+
+
+def stack_tiles(config: AnyResVisionConfig, pixels: Tensor, sizes: Sequence[Sequence[int]]) -> Tensor:
+    """The tiles of every image in order, ``[num_tiles, C, S, S]``, from ``pixels`` given that way or as a
+    processor pads them, ``[num_images, max_tiles, C, S, S]``.
+
+    Raises:
+        ValueError: the number of tiles or images differs from what ``sizes`` give.
+    """
+    counts = [num_tiles(config, s) for s in sizes]
+    if pixels.ndim == 5:
+        if pixels.shape[0] != len(sizes) or pixels.shape[1] < max(counts, default=0):
+            raise ValueError(
+                f"pixel_values [num_images, max_tiles, ...] has shape {list(pixels.shape)}, but image_sizes give "
+                f"{len(sizes)} images of {counts} tiles"
+            )
+        return torch.cat([p[:n] for p, n in zip(pixels, counts)])
+    if pixels.ndim == 4 and pixels.shape[0] != sum(counts):
+        raise ValueError(
+            f"pixel_values hold {pixels.shape[0]} tiles, but image_sizes give {sum(counts)} ({counts} per image: "
+            "the base tile and the tiles of the best image_grid_pinpoints grid)"
+        )
+    return pixels
