@@ -311,6 +311,8 @@ def build_ours(
     from forge_lightning.performance import apply_performance, resolve
 
     performance: dict[str, Any] = {"attention": {"packed": args.attention}}
+    if args.activation_checkpointing != "none":
+        performance["activation_checkpointing"] = args.activation_checkpointing
     if not args.compile:
         performance["compile"] = False
     if args.loss_steps:
@@ -494,6 +496,9 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="ours: no torch.compile")
     parser.add_argument(
         "--loss-steps", type=int, default=0, help="compare losses over this many steps instead"
+    )
+    parser.add_argument(
+        "--activation-checkpointing", default="none", choices=("none", "selective", "full"), help="ours"
     )
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
