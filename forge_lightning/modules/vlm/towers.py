@@ -27,10 +27,12 @@ class VisionTower:
     Attributes:
         kinds: the media it encodes (``image``, ``video``); each has a ``<kind>_token_id`` in the config.
         inputs: the optional arguments of ``VisionLanguageModel.forward`` it takes (others must be ``None``).
+        multimodal_rope: the LLM rotates by ``[3, B, S]`` (temporal, height, width) positions, not 1-D ones.
     """
 
     kinds: tuple[str, ...] = ("image",)
     inputs: frozenset[str] = frozenset({"pixel_values"})
+    multimodal_rope: bool = False
 
     def build(self, config: Any, attention_backend: str) -> nn.Module:
         """The encoder for the ``vision`` config."""
@@ -100,6 +102,7 @@ class Qwen25VisionTower(VisionTower):
     inputs = frozenset(
         {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"}
     )
+    multimodal_rope = True
 
     def build(self, config: Any, attention_backend: str) -> nn.Module:
         return Qwen25VisionTransformer(config, attention_backend=attention_backend)
