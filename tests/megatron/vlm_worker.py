@@ -17,6 +17,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from components_worker import main, trainer_kwargs
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, DistributedSampler
 
 from forge_lightning.modules.vlm import VisionLanguageModule
@@ -30,11 +31,15 @@ SEQ = 16
 # strategy: MegatronStrategy options; batch 3 and accumulate 3: the second TP rank pads its share, and 1F1B runs a
 # warm-up, a steady state and a cool-down over the step's 3 micro-batches. DP = 1 in both: the global batch is the
 # one-process reference's.
+# pp2 also saves a checkpoint after its last step (the encoder side from the first stage only), which
+# validate_pp2_at_tp2 loads at TP 2 for Trainer.validate.
 CASES = {
     "tp2": dict(strategy=dict(tensor_model_parallel_size=2, components={"vision": {"recompute": "full"}})),
-    "pp2": dict(strategy=dict(pipeline_model_parallel_size=2)),
+    "pp2": dict(strategy=dict(pipeline_model_parallel_size=2), checkpoint=True),
+    "validate_pp2_at_tp2": dict(strategy=dict(tensor_model_parallel_size=2), validate="pp2"),
 }
 BATCH, ACCUMULATE = 3, 3
+CKPT = "epoch=0-step=3.ckpt"
 
 
 def build_module() -> VisionLanguageModule:
@@ -97,9 +102,19 @@ def run_case(out: Path, name: str) -> None:
             inner = torch_optimizers(trainer.strategy.optimizers[0])
             held["optimizer_params"] = sum(len(g["params"]) for opt in inner for g in opt.param_groups)
 
-    strategy = MegatronStrategy(**CASES[name]["strategy"])
-    trainer = pl.Trainer(devices=2, strategy=strategy, callbacks=[_Inspect()], **fit_kwargs(out, name))
+    case = CASES[name]
+    kwargs = fit_kwargs(out, name)
+    callbacks: list[pl.Callback] = [_Inspect()]
+    if case.get("checkpoint"):
+        kwargs["enable_checkpointing"] = True
+        callbacks.append(ModelCheckpoint(dirpath=out / f"ckpt_{name}", every_n_train_steps=3, save_top_k=-1))
+    trainer = pl.Trainer(
+        devices=2, strategy=MegatronStrategy(**case["strategy"]), callbacks=callbacks, **kwargs
+    )
     loader = data()
+    if "validate" in case:
+        trainer.validate(module, dataloaders=loader, ckpt_path=out / f"ckpt_{case['validate']}" / CKPT)
+        return
     trainer.fit(module, train_dataloaders=loader, val_dataloaders=loader)
     state = {k: v.detach().clone() for k, v in module.state_dict().items()}
     torch.save({"state": state, **held}, out / f"{name}_rank{dist.get_rank()}.pt")
