@@ -347,9 +347,8 @@ class Components:
         # With pipeline parallelism the encoder side runs apart from the schedule, on the first stage only.
         self.decoupled = self.composed and dims.pp > 1
         self._holds_encoders = True
-        self._ahead: list[
-            tuple[Tensor, Tensor]
-        ] = []  # (encoder output with its graph, the leaf the twin reads)
+        # (encoder output with its graph, the leaf the twin reads) of each micro-batch encoded ahead
+        self._ahead: list[tuple[Tensor, Tensor]] = []
         self._tokens: Tensor | None = None
 
     @property
