@@ -42,7 +42,7 @@ from forge_lightning.contracts.module import (
     deferred_pretrained,
     pretrained_deferred,
 )
-from forge_lightning.contracts.plan import Component, Composition, ParallelPlan, common_divisors
+from forge_lightning.contracts.plan import Component, Composition, ParallelPlan, common_divisors, take_samples
 from forge_lightning.contracts.strategy import (
     DataParallelLayout,
     GradientGate,
@@ -104,6 +104,7 @@ __all__ = [
     "nonfinite_gradients",
     "pretrained_deferred",
     "skip_optimizer_step",
+    "take_samples",
     "tensor_parallel_size",
     "trained_parameters",
     "traits_of",

@@ -47,6 +47,18 @@ class Component:
     compile: bool | None = None
 
 
+def take_samples(batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:
+    """The samples ``rows`` of ``batch``: every tensor whose first dimension is the batch size (that of
+    ``input_ids``) indexed by ``rows``, everything else as it is."""
+    batch_size = batch["input_ids"].shape[0]
+    return {
+        k: v.index_select(0, rows.to(v.device))
+        if isinstance(v, Tensor) and v.ndim and len(v) == batch_size
+        else v
+        for k, v in batch.items()
+    }
+
+
 @dataclass(kw_only=True)
 class Composition:
     """How the components of a composed model feed its decoder LM::
@@ -64,15 +76,21 @@ class Composition:
         encode: ``encode(batch) -> encoded``: runs every other component on the batch's samples and returns one
             tensor whose first dimension is the samples. Each sample must be encoded independently of the others
             (no batch statistics): a strategy may encode a micro-batch's samples in parts on different ranks and
-            concatenate the results; every tensor of ``batch`` with the batch size as first dimension is cut.
+            concatenate the results (the parts taken by ``select``), so the other dimensions must not depend on
+            which samples a part holds.
         merge: ``merge(token_embeds_BSH, encoded, batch) -> (inputs_BTH, labels_BT)``: the decoder's input
             embeddings from the token embeddings of ``batch["input_ids"]`` and ``encode``'s output, and the labels
             of those ``T`` positions (``ignore_index`` where no token is predicted, e.g. on encoder positions).
+        select: ``select(batch, rows) -> batch``: the batch of the samples ``rows`` (``[n]`` indices into the batch,
+            repeats allowed), for ``encode``. Default :func:`take_samples`: every tensor whose first dimension is the
+            batch size is indexed; a batch whose inputs are not laid out per sample (a VLM's images of all samples
+            in one tensor) gives its own.
     """
 
     decoder: str
     encode: Callable[[dict[str, Tensor]], Tensor]
     merge: Callable[[Tensor, Tensor, dict[str, Tensor]], tuple[Tensor, Tensor]]
+    select: Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]] = take_samples
 
 
 @dataclass(kw_only=True)

@@ -18,6 +18,7 @@ writes ``OUT_DIR/ckpt_CASE/epoch=0-step=3.ckpt`` and ``OUT_DIR/CASE_export.pt`` 
 import faulthandler
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -233,12 +234,13 @@ def run_case(out: Path, name: str) -> None:
     )
 
 
-def main(out: Path, names: list[str]) -> None:
+def main(out: Path, names: list[str], run: Callable[[Path, str], None] = run_case) -> None:
+    """Run the cases ``names`` in order with ``run`` (this worker's, or another worker's on the same harness)."""
     cuda_shim.install()  # here, not at import: test_components.py imports this module into the test session
     faulthandler.dump_traceback_later(240, exit=True)  # a hung collective fails with every thread's stack
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
-        run_case(out, name)
+        run(out, name)
     dist.barrier()
     exit_worker()
 

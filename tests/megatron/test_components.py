@@ -298,9 +298,15 @@ def test_components_resolve_against_the_plan():
         ),
         (
             {},
-            {"pipeline_model_parallel_size": 2},
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
             NotImplementedError,
-            "pipeline_model_parallel_size=2 is not yet",
+            "virtual_pipeline_model_parallel_size=2 is not yet supported with a composed model",
+        ),
+        (
+            {},
+            {"pipeline_model_parallel_size": 2, "use_distributed_optimizer": True},
+            NotImplementedError,
+            "use_distributed_optimizer with pipeline_model_parallel_size=2 is not yet supported",
         ),
         ({}, {"context_parallel_size": 2}, NotImplementedError, "context_parallel_size=2 is not yet"),
     ],

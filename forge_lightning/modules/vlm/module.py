@@ -24,14 +24,21 @@ import dataclasses
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
 from torch import Tensor
 from typing_extensions import override
 
-from forge_lightning.contracts import Component, ParallelPlan, TextData, VisionTextData, full_state_dict
+from forge_lightning.contracts import (
+    Component,
+    MegatronBuild,
+    ParallelPlan,
+    TextData,
+    VisionTextData,
+    full_state_dict,
+)
 from forge_lightning.modules.layers.attention import document_lengths
 from forge_lightning.modules.llm.config import attention_flops_per_token, llm_flops_per_token
 from forge_lightning.modules.llm.generation import generate
@@ -42,6 +49,7 @@ from forge_lightning.modules.objective import GlobalBatchLoss
 from forge_lightning.modules.vlm.compose import build_vlm
 from forge_lightning.modules.vlm.config import VLMConfig
 from forge_lightning.modules.vlm.hf import from_pretrained, save_pretrained
+from forge_lightning.modules.vlm.megatron import composition, megatron_twin
 from forge_lightning.modules.vlm.model import VisionLanguageModel
 from forge_lightning.optim import (
     OptimizerConfig,
@@ -52,6 +60,9 @@ from forge_lightning.optim import (
 )
 from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.performance import PerformanceConfig, ResolvedPerformance, configure_performance, resolve
+
+if TYPE_CHECKING:
+    from forge_lightning.modules.llm.megatron import DecoderTwin
 
 COMPONENTS = ("vision", "projector", "llm")
 """The parallel-plan components of a vision-language model."""
@@ -272,7 +283,8 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
     def parallel_plan(self) -> ParallelPlan:
         """Components ``vision`` (its transformer blocks), ``projector`` (no blocks) and ``llm`` (its decoder layers,
         TP plan and the sizes a TP degree must divide), each frozen and checkpointed / compiled as its settings
-        say."""
+        say, and how vision and projector feed the LLM (the composition MegatronStrategy recomposes, see
+        :mod:`~forge_lightning.modules.vlm.megatron`)."""
         m = self.model
         blocks = {"vision": m.tower.blocks(m.vision), "projector": [], "llm": list(m.llm.model.layers)}
         return ParallelPlan(
@@ -288,8 +300,15 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
                     compile=settings.compile,
                 )
                 for name, settings in self.components.items()
-            ]
+            ],
+            composition=composition(m),
         )
+
+    def megatron_model(self, build: MegatronBuild) -> DecoderTwin:
+        """The LLM's megatron-core twin for ``MegatronStrategy`` (:class:`~forge_lightning.contracts.MegatronModule`);
+        the strategy runs vision and projector as they are (:func:`~forge_lightning.modules.vlm.megatron.megatron_twin`
+        says what is refused)."""
+        return megatron_twin(self, build)
 
     # ----- forward and loss ----------------------------------------------------------------------------------
     @staticmethod

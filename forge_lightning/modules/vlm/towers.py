@@ -30,11 +30,15 @@ class VisionTower:
         kinds: the media it encodes (``image``, ``video``); each has a ``<kind>_token_id`` in the config.
         inputs: the optional arguments of ``VisionLanguageModel.forward`` it takes (others must be ``None``).
         grid_inputs: the argument that lays out the pixels of each kind (the ``grid`` of :meth:`encode`).
+        multimodal_rope: the LLM rotates by ``[3, B, S]`` (temporal, height, width) positions, not 1-D ones.
+        fixed_image_tokens: every image gives the same number of tokens (``vision.tokens_per_image``).
     """
 
     kinds: tuple[str, ...] = ("image",)
     inputs: frozenset[str] = frozenset({"pixel_values"})
     grid_inputs: dict[str, str] = {"image": "image_grid_thw", "video": "video_grid_thw"}
+    multimodal_rope: bool = False
+    fixed_image_tokens: bool = True
 
     def build(self, config: Any, attention_backend: str) -> nn.Module:
         """The encoder for the ``vision`` config."""
@@ -112,6 +116,8 @@ class Qwen25VisionTower(VisionTower):
     inputs = frozenset(
         {"pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts"}
     )
+    multimodal_rope = True
+    fixed_image_tokens = False
 
     def build(self, config: Any, attention_backend: str) -> nn.Module:
         return Qwen25VisionTransformer(config, attention_backend=attention_backend)
@@ -316,6 +322,7 @@ class AnyResVisionTower(SiglipVisionTower):
     each image's features are packed with ``image_newline`` (:func:`~forge_lightning.modules.vlm.anyres.pack_image`).
     1-D positions, as LLaVA's."""
 
+    fixed_image_tokens = False
     grid_inputs = {"image": "image_sizes"}
 
     def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:

@@ -14,6 +14,23 @@ replicated on the T ranks of the decoder's TP group, each of which encodes a sha
       composition.merge(twin's token embeddings, encoded)      -> decoder input (the twin's forward step)
       the twin at TP = T                                        -> per-token loss
 
+Which samples a rank encodes is cut by the composition's ``select`` (default: every tensor whose first dimension is
+the batch size; a VLM takes each sample's own images from the batch's image tensor).
+
+Pipeline parallelism (the decoupled encoder). With PP > 1 only the first stage merges the encoder's output into the
+decoder's input, so only its ranks hold the encoder side (its DDP, optimizer state, checkpoint entries). Its forward
+and backward run apart from megatron's schedule, so that they take no place in the first stage's pipeline slots::
+
+    encode_ahead     every micro-batch of the step encoded (over the TP group, as above); graph kept, each output
+                     handed to the schedule as a detached leaf that requires grad
+    the schedule     1F1B over the micro-batches; the first stage's forward step reads the leaf, its backward leaves
+                     the gradient of the loss w.r.t. the encoder output on it
+    backward_ahead   torch.autograd.backward(outputs, leaf gradients) through the encoder side, then its gradient
+                     all-reduce and scaling (deferred from the schedule's gradient finalisation)
+
+The later stages take their labels from ``batch["labels"]``: the composition's merge must keep the text positions and
+their labels (a VLM's features in place of its placeholder tokens do; a merge that prepends positions is refused).
+
 Why each rank keeps only its own rows' gradient: the decoder's input is replicated over the TP group and its
 column-parallel linears all-reduce their input gradient over it, so every TP rank holds the *whole* gradient of the
 loss w.r.t. the gathered encoder output (the same on all of them). Rank r back-propagates rows r*c ... through its
@@ -62,6 +79,8 @@ from forge_lightning.performance.transforms import apply_activation_checkpointin
 from forge_lightning.strategies.megatron.wrapping import chunk_config
 
 OPTIONS = ("tensor_model_parallel_size", "recompute", "freeze")
+# Batch key of a micro-batch's encoder output computed ahead of the pipeline schedule (Components.encode_ahead).
+ENCODED = "_forge_encoded"
 # Marks a block already wrapped for recompute (the strategy's setup runs once per fit / validate call).
 _RECOMPUTED = "_forge_megatron_recompute"
 
@@ -223,14 +242,23 @@ def _resolve(comp: Component, opts: ComponentOptions, is_decoder: bool, tp: int)
 
 def _check_composed_layout(dims: MegatronDims) -> None:
     """Refuse the layouts a composed model cannot run at yet, naming the option."""
-    refused = {"pipeline_model_parallel_size": dims.pp, "context_parallel_size": dims.cp}
-    for option, size in refused.items():
-        if size > 1:
-            raise NotImplementedError(
-                f"{option}={size} is not yet supported with a composed model (components feeding a decoder) under "
-                "MegatronStrategy: the encoder side runs outside megatron's pipeline and context-parallel split; use "
-                "tensor / data (and expert) parallelism and the distributed optimizer"
-            )
+    if dims.cp > 1:
+        raise NotImplementedError(
+            f"context_parallel_size={dims.cp} is not yet supported with a composed model (components feeding a "
+            "decoder) under MegatronStrategy: the encoder side runs outside megatron's context-parallel split; use "
+            "tensor / pipeline / data (and expert) parallelism"
+        )
+    if dims.vpp > 1:
+        raise NotImplementedError(
+            f"virtual_pipeline_model_parallel_size={dims.vpp} is not yet supported with a composed model: its "
+            "decoupled encoder is tested with the 1F1B schedule only; leave it unset (one chunk per stage)"
+        )
+    if dims.pp > 1 and dims.use_distributed_optimizer:
+        raise NotImplementedError(
+            f"use_distributed_optimizer with pipeline_model_parallel_size={dims.pp} is not yet supported with a "
+            "composed model: the encoder side lives on the first pipeline stage only, so the stages' chained "
+            "optimizers would differ; use the plain optimizer or pipeline_model_parallel_size=1"
+        )
 
 
 # ------------------------------------------------------------------------------------------------ hand-over
@@ -263,28 +291,22 @@ class GatherSamples(torch.autograd.Function):
         return grad.chunk(ctx.size)[ctx.rank].contiguous(), None
 
 
-def encode_over_group(
-    encode: Callable[[dict[str, Tensor]], Tensor], batch: dict[str, Tensor], group: Any
-) -> Tensor:
-    """``encode(batch)``, each rank of ``group`` encoding its :func:`sample_rows` and all of them the gathered result.
+def encode_over_group(composition: Composition, batch: dict[str, Tensor], group: Any) -> Tensor:
+    """``composition.encode(batch)``, each rank of ``group`` encoding its :func:`sample_rows` (taken by
+    ``composition.select``) and all of them the gathered result.
 
     Args:
-        encode: the composition's ``encode``.
+        composition: the module's composition.
         batch: one micro-batch, the same on every rank of ``group``; its size is that of ``input_ids``.
         group: the ranks sharing the work (the decoder's TP group).
     """
     size = dist.get_world_size(group)
     if size == 1:
-        return encode(batch)
+        return composition.encode(batch)
     batch_size = batch["input_ids"].shape[0]
     rows = sample_rows(batch_size, dist.get_rank(group), size)
-    local = {
-        k: v.index_select(0, rows.to(v.device))
-        if isinstance(v, Tensor) and v.ndim and len(v) == batch_size
-        else v
-        for k, v in batch.items()
-    }
-    return GatherSamples.apply(encode(local), group)[:batch_size]
+    local = composition.encode(composition.select(batch, rows))
+    return GatherSamples.apply(local, group)[:batch_size]
 
 
 # ------------------------------------------------------------------------------------------------ runtime
@@ -319,9 +341,15 @@ class Components:
         self.module = module
         self.resolved = resolve_components(plan, options, dims)
         self.composition: Composition | None = plan.composition
-        # The encoder side's megatron DDP (none when all of it is frozen).
+        # The encoder side's megatron DDP (none when all of it is frozen, or on a later pipeline stage).
         self.encoder_ddp: list[nn.Module] = []
         self._bf16 = bf16
+        # With pipeline parallelism the encoder side runs apart from the schedule, on the first stage only.
+        self.decoupled = self.composed and dims.pp > 1
+        self._holds_encoders = True
+        # (encoder output with its graph, the leaf the twin reads) of each micro-batch encoded ahead
+        self._ahead: list[tuple[Tensor, Tensor]] = []
+        self._tokens: Tensor | None = None
 
     @property
     def composed(self) -> bool:
@@ -349,15 +377,21 @@ class Components:
     def wrap_encoders(self, chunks: list[nn.Module], *, device: torch.device) -> None:
         """Freeze / recompute the encoder-side components and wrap their trainable parameters in a megatron DDP
         that reduces over the TP x DP group (every rank holds a replica)."""
+        from megatron.core import parallel_state
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         side = self._encoder_side()
         if not side:
             return
+        # Only the first pipeline stage merges the encoder's output into the decoder's input: later stages hold no
+        # encoder side (no gradient, no optimizer state, nothing in their checkpoint shards).
+        self._holds_encoders = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        self.encoder_ddp = []
+        if not self._holds_encoders:
+            return
         for r in side:
             _prepare_encoder_component(r)
         modules = nn.ModuleDict({r.component.name: r.component.module for r in side}).to(device)
-        self.encoder_ddp = []
         if not any(p.requires_grad for p in modules.parameters()):
             return
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
@@ -379,10 +413,42 @@ class Components:
         from megatron.core import parallel_state
 
         assert self.composition is not None
+        if ENCODED in batch:  # encoded ahead of the schedule (encode_ahead)
+            return batch[ENCODED]
         with self._autocast(batch["input_ids"].device):
             return encode_over_group(
-                self.composition.encode, batch, parallel_state.get_tensor_model_parallel_group()
+                self.composition, batch, parallel_state.get_tensor_model_parallel_group()
             )
+
+    def encode_ahead(self, batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """With pipeline parallelism, encode every micro-batch of the step before the schedule runs (first stage;
+        the batches are unchanged elsewhere): each batch then carries a leaf tensor holding its encoder output,
+        which the twin's first stage reads, and whose gradient :meth:`backward_ahead` back-propagates through the
+        encoder side after the schedule. The encoder thus takes no place in the pipeline's slots: its forward and
+        backward do not stretch the first stage's share of every micro-batch. Under ``no_grad`` (evaluation) no
+        graph is kept."""
+        if not self.decoupled or not self._holds_encoders:
+            return batches
+        self._ahead, ahead = [], []
+        for batch in batches:
+            out = self.encode(batch)
+            leaf = out.detach().requires_grad_(out.requires_grad)
+            if out.requires_grad:
+                self._ahead.append((out, leaf))
+            ahead.append({**batch, ENCODED: leaf})
+        return ahead
+
+    def backward_ahead(self) -> None:
+        """After a training schedule with :meth:`encode_ahead`: back-propagate the gradients the schedule left on
+        the encoder outputs through the encoder side, then reduce and scale its gradients (:meth:`finalize`
+        deferred that part)."""
+        if not self.decoupled:
+            return
+        pairs, self._ahead = [p for p in self._ahead if p[1].grad is not None], []
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [leaf.grad for _, leaf in pairs])
+        self._finish_encoders(self._tokens)
+        self._tokens = None
 
     def connect(self, chunks: list[nn.Module]) -> None:
         """Make the schedule's gradient finalisation also finish and scale the encoder side's gradients."""
@@ -399,13 +465,17 @@ class Components:
         **kwargs: Any,
     ) -> None:
         """megatron's ``finalize_model_grads`` for the twin, then the encoder side: its all-reduce over TP x DP and
-        the division by the global batch's trainable tokens (counted over DP, as for the twin)."""
-        from megatron.core import parallel_state
-
-        tokens = None if num_tokens is None else num_tokens.clone()
+        the division by the global batch's trainable tokens (megatron's finalisation leaves that count, broadcast
+        from the last stage and summed over DP, in ``num_tokens``). With the decoupled encoder (pipeline
+        parallelism) its gradients are not there yet: :meth:`backward_ahead` finishes them."""
         finalize_decoder(model, num_tokens, **kwargs)
-        if tokens is not None:
-            dist.all_reduce(tokens, group=parallel_state.get_data_parallel_group(with_context_parallel=True))
+        tokens = None if num_tokens is None else num_tokens.clone()
+        if self.decoupled:
+            self._tokens = tokens
+            return
+        self._finish_encoders(tokens)
+
+    def _finish_encoders(self, tokens: Tensor | None) -> None:
         for ddp in self.encoder_ddp:
             ddp.finish_grad_sync()
             if tokens is not None and tokens > 0:
@@ -423,7 +493,10 @@ class Components:
     # ----- checkpoints and export ---------------------------------------------------------------------------------
     def encoder_modules(self) -> dict[str, nn.Module]:
         """The encoder side's modules by component name (frozen ones included), in the plan's order; empty for a
-        module of one component. Checkpoints store them as replicated tensors (see checkpoint.py)."""
+        module of one component and on pipeline stages after the first (which hold no encoder side). Checkpoints
+        store them as replicated tensors (see checkpoint.py)."""
+        if not self._holds_encoders:
+            return {}
         return {r.component.name: r.component.module for r in self._encoder_side()}
 
     def frozen(self) -> list[str]:

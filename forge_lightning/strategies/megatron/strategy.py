@@ -449,7 +449,9 @@ class MegatronStrategy(ParallelStrategy):
         # megatron-core moves the routers' selection bias (auxiliary-loss-free balancing) inside the schedule, before
         # the optimizer step: kept, so that a step left out (skip_optimizer_step) leaves the bias out too.
         self._biases_before = [(bias, bias.clone()) for bias in self._selection_biases()]
+        batches = self._components.encode_ahead(batches)  # with PP: the encoder side apart from the pipeline
         sums = run_schedule(self._chunks, batches, forward_only=False, twin=self._twin)
+        self._components.backward_ahead()
         self._twin.after_schedule(self._chunks, sums, training=True, num_micro_batches=len(batches))
         return (sums[0] / sums[1].clamp_min(1)).float()  # this data rank's mean, for Lightning's outputs
 
@@ -513,6 +515,7 @@ class MegatronStrategy(ParallelStrategy):
         groups = self.dims.pp if len(self._chunks) > 1 else 1
         batches = eval_micro_batches(batch, groups, twin=self._twin)
         with torch.no_grad():
+            batches = self._components.encode_ahead(batches)
             sums = run_schedule(self._chunks, batches, forward_only=True, twin=self._twin)
         self._twin.after_schedule(self._chunks, sums, training=False, num_micro_batches=len(batches))
         for chunk in self._chunks:

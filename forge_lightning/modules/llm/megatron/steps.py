@@ -5,7 +5,7 @@
     plain:    batch ─ packed_inputs (positions, document ids) ─ this CP rank's share ─ GPTModel(input_ids, labels)
     composed: batch ─ build.encode (the encoder side, over the TP group) ─┐
               input_ids ─ the twin's token embeddings ───────────────────┴─ composition.merge ─ decoder_input ─
-              GPTModel(decoder_input=..., labels)
+              GPTModel(decoder_input=..., labels)    (later pipeline stages: the previous stage's output)
     both:     per-token losses [b, s] (last stage) ─ LMLoss.reduce ─ (loss sum, trainable tokens)
 """
 
@@ -46,20 +46,39 @@ def composed_forward_step(
 ) -> tuple[Tensor, Callable]:
     """The chunk's output on a micro-batch of a composed model (encoder -> projector -> this decoder): the encoder
     side's output (``encode``, run by the strategy over the TP group) merged with the twin's token embeddings by the
-    composition, then the decoder on the merged inputs."""
+    composition, then the decoder on the merged inputs.
+
+    With pipeline parallelism only the first stage merges; the later ones take their input from the previous stage
+    and the last one's labels are ``batch["labels"]``: the merge must then keep the text positions and their labels
+    (a VLM's features in place of its placeholder tokens do; checked on the first stage).
+    """
     if batch.get("document_ids") is not None:
         raise NotImplementedError(
             "packed batches (document_ids) of a composed model (encoder -> projector -> LLM) are not yet "
             "supported by MegatronStrategy: the merge changes the sequence, so the document ids would not match"
         )
     gpt = unwrap(chunk)
+    if not gpt.pre_process:  # a later pipeline stage: its input is the previous stage's output
+        labels_BS = batch["labels"]
+        trainable = labels_BS.masked_fill(labels_BS == loss.ignore_index, 0)
+        return chunk(None, None, None, labels=trainable), loss_function(loss, labels_BS)
     encoded = encode(batch)
     # The twin's token embeddings, whole on every TP rank (all-reduced, not scattered: see DecoderTwin).
     tokens_BSH = gpt.embedding.word_embeddings(batch["input_ids"])
     inputs_BTH, labels_BT = composition.merge(tokens_BSH, encoded.to(tokens_BSH.dtype), batch)
+    if gpt.config.pipeline_model_parallel_size > 1 and not _keeps_text(labels_BT, batch["labels"]):
+        raise ValueError(
+            f"pipeline_model_parallel_size > 1 needs a composition whose merge keeps the text positions and their "
+            f"labels (the last stage reads batch['labels']): merge gave labels {list(labels_BT.shape)} for labels "
+            f"{list(batch['labels'].shape)}; use pipeline_model_parallel_size 1 for this model"
+        )
     trainable = labels_BT.masked_fill(labels_BT == loss.ignore_index, 0)
     output = chunk(None, None, None, decoder_input=decoder_input(gpt, inputs_BTH), labels=trainable)
     return output, loss_function(loss, labels_BT)
+
+
+def _keeps_text(labels_BT: Tensor, labels_BS: Tensor) -> bool:
+    return labels_BT.shape == labels_BS.shape and bool(torch.equal(labels_BT, labels_BS))
 
 
 def loss_function(

@@ -245,7 +245,8 @@ class DecoderTwin:
             self.log(name, value, rank_zero_only=True)
 
     def micro_batch_shape(self, batch: dict[str, Tensor]) -> tuple[int, int]:
-        """``input_ids``' ``[b, s]`` (a composed model's decoder input is longer, but its stages are one: PP = 1)."""
+        """``input_ids``' ``[b, s]`` (a composed model's decoder input may be longer, but only at PP = 1: under
+        pipeline parallelism its merge must keep the text positions, see ``steps.composed_forward_step``)."""
         micro_batch, seq_length = batch["input_ids"].shape
         return micro_batch, seq_length
 
