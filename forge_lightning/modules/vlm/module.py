@@ -264,16 +264,17 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
         if state is None:
             state = self.model.state_dict()
         if not attached or self.trainer.is_global_zero:
+            adapted = {}  # the adapted components' state dicts, adapters included, names relative to each
             for name, settings in self.components.items():
                 if settings.lora is not None:
                     prefix = f"{name}."
-                    part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-                    merged = merged_state_dict(part, settings.lora)
+                    adapted[name] = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+                    merged = merged_state_dict(adapted[name], settings.lora)
                     state = {k: v for k, v in state.items() if not k.startswith(prefix)}
                     state.update({prefix + k: v for k, v in merged.items()})
             save_pretrained(self.model, self.config, path, dtype=dtype, overwrite=overwrite, state_dict=state)
             for name, peft_model in self._peft.items():
-                save_adapter(peft_model, Path(path) / "adapters" / name)
+                save_adapter(peft_model, Path(path) / "adapters" / name, state_dict=adapted[name])
         if attached:
             self.trainer.strategy.barrier("save_pretrained")
 
