@@ -43,7 +43,7 @@ from vlm_pack_case import OPTIONS, datamodule, hf_config, write_data
 
 from forge_lightning.cli import ForgeCLI
 from forge_lightning.datamodules.vlm.shapes import write_shapes_dataset
-from forge_lightning.modules.vlm import from_pretrained
+from forge_lightning.modules.vlm import VisionLanguageModule, from_pretrained
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = [0, 1, 2, 3]
@@ -264,6 +264,22 @@ def test_lora_llm_with_a_trained_encoder_matches_one_process(case, lora_one, str
         _assert_export_loads(case, out)
         adapter = load_file(out / "adapters" / "llm" / "adapter_model.safetensors")
         assert any("lora_B" in k and v.abs().max() > 0 for k, v in adapter.items())  # trained adapters
+
+
+def test_encoder_parameters_outside_the_features_are_frozen(case):
+    """With feature layer -2 of 3, the last layer and ``post_layernorm`` get no gradient (DDP would refuse them):
+    they are frozen, the rest of the trained encoder is not, and one backward reaches every trainable parameter."""
+    config = {
+        **_model(case, {})["init_args"]["config"],
+        "vision": {"pretrained": str(case.siglip), "feature_layer": -2},
+    }
+    module = VisionLanguageModule(config, components={"llm": {"freeze": True}})
+    names = [n for n, _ in module.model.vision.named_parameters()]
+    frozen = [n for n, p in module.model.vision.named_parameters() if not p.requires_grad]
+    assert frozen and frozen == [n for n in names if n.startswith(("post_layernorm.", "encoder.layers.2."))]
+    batch = _image_batch(case)
+    module.loss_sum({**batch, "labels": batch["input_ids"]})[0].backward()
+    assert all(p.grad is not None for p in module.parameters() if p.requires_grad)
 
 
 # ----- the recipes ----------------------------------------------------------------------------------------------
