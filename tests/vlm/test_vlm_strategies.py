@@ -10,7 +10,8 @@
   the encoder at a lower rate: the losses of one plain process within 2e-6; the ZeRO-1 and FSDP2 exports (adapters
   merged) load in transformers with the same logits.
 * The recipes in configs/vlm/ build their model and data module with their checkpoints pointed at tiny local ones
-  and compute a finite loss.
+  and compute a finite loss; the Qwen2.5-VL one, as shipped (bf16 parameters, packed rows), trains on 2 processes
+  as on one within 2e-4 and exports a checkpoint transformers loads.
 
 Each launch is shared by the tests that read it (module-scoped fixtures).
 """
@@ -136,13 +137,16 @@ def _fit(
     }  # fmt: skip
     path = case.root / f"{name}.yaml"
     path.write_text(json.dumps(config))  # JSON is YAML
-    args = [sys.executable, "-m", "forge_lightning", "fit", "--config", str(path)]
-    if ckpt_path is not None:
-        args += ["--ckpt_path", str(ckpt_path)]
+    return _launch(path, case.root / name, *(["--ckpt_path", str(ckpt_path)] if ckpt_path else []))
+
+
+def _launch(config: Path, log_dir: Path, *args: str) -> tuple[dict[int, float], str]:
+    """``forge fit --config config args`` whose CSV logger writes to ``log_dir``: the losses by step and the log."""
+    command = [sys.executable, "-m", "forge_lightning", "fit", "--config", str(config), *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run(args, cwd=case.root, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(command, cwd=config.parent, env=env, capture_output=True, text=True, timeout=300)
     assert_clean_exit(proc)
-    rows = csv.DictReader((case.root / name / "version_0" / "metrics.csv").open())
+    rows = csv.DictReader((log_dir / "version_0" / "metrics.csv").open())
     return {
         int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")
     }, proc.stdout + proc.stderr
@@ -283,25 +287,35 @@ def test_encoder_parameters_outside_the_features_are_frozen(case):
 
 
 # ----- the recipes ----------------------------------------------------------------------------------------------
-def _tiny_qwen2_5_vl(root: Path) -> tuple[Path, Path, Path]:
-    """A tiny random Qwen2.5-VL checkpoint whose token ids are those of a small tokenizer, the tokenizer and records
-    with 0 to 3 images of varied sizes."""
-    tokenizer, train = write_data(root)
+@dataclass(frozen=True)
+class QwenCase:
+    """A tiny random Qwen2.5-VL checkpoint whose token ids are those of a small tokenizer, and 48 records of 0 to 3
+    images of varied sizes."""
+
+    checkpoint: Path
+    tokenizer: Path
+    train: Path
+
+
+@pytest.fixture(scope="module")
+def qwen_case(case) -> QwenCase:
+    root = case.root / "qwen2_5_vl_case"
+    root.mkdir()
+    tokenizer, train = write_data(root, num_records=48)
     torch.manual_seed(0)
     hf = Qwen2_5_VLForConditionalGeneration(hf_config(datamodule(tokenizer, train, **OPTIONS)))
     hf.save_pretrained(root / "qwen2_5_vl")
-    return root / "qwen2_5_vl", tokenizer, train
+    return QwenCase(root / "qwen2_5_vl", tokenizer, train)
 
 
-def _recipe(case: Case, name: str) -> tuple[Path, dict[str, object]]:
+def _recipe(case: Case, qwen_case: QwenCase, name: str) -> tuple[Path, dict[str, object]]:
     """A shipped recipe and the values that point it at tiny local checkpoints and data (dotted paths)."""
-    if name == "qwen2.5-vl-3b/sft_fsdp2.yaml":
-        checkpoint, tokenizer, train = _tiny_qwen2_5_vl(case.root / "qwen2_5_vl_case")
+    if name == QWEN_RECIPE:
         options = {k: v for k, v in OPTIONS.items() if k != "processor"}
         return REPO / "configs" / "vlm" / name, {
-            "model.init_args.pretrained": str(checkpoint),
-            "data.init_args.tokenizer": str(tokenizer),
-            "data.init_args.train_files": str(train),
+            "model.init_args.pretrained": str(qwen_case.checkpoint),
+            "data.init_args.tokenizer": str(qwen_case.tokenizer),
+            "data.init_args.train_files": str(qwen_case.train),
             **{f"data.init_args.{k}": v for k, v in options.items()},
             "data.init_args.max_patches_per_row": 256,
         }
@@ -318,6 +332,7 @@ def _recipe(case: Case, name: str) -> tuple[Path, dict[str, object]]:
     }
 
 
+QWEN_RECIPE = "qwen2.5-vl-3b/sft_fsdp2.yaml"
 # One process on the CPU, nothing written, small batches.
 CPU = {
     "trainer.accelerator": "cpu",
@@ -345,9 +360,9 @@ def _pointed(recipe: Path, values: dict[str, object], out: Path) -> tuple[Path, 
     return out, shipped
 
 
-@pytest.mark.parametrize("name", ["qwen2.5-vl-3b/sft_fsdp2.yaml", "compose/siglip_qwen3_sft.yaml"])
-def test_recipe_builds_on_tiny_checkpoints_and_computes_a_loss(case, name):
-    recipe, values = _recipe(case, name)
+@pytest.mark.parametrize("name", [QWEN_RECIPE, "compose/siglip_qwen3_sft.yaml"])
+def test_recipe_builds_on_tiny_checkpoints_and_computes_a_loss(case, qwen_case, name):
+    recipe, values = _recipe(case, qwen_case, name)
     config, shipped = _pointed(recipe, values, case.root / name.replace("/", "_"))
     cli = ForgeCLI(args=["--config", str(config)], run=False)
     module, data = cli.model, cli.datamodule
@@ -359,10 +374,54 @@ def test_recipe_builds_on_tiny_checkpoints_and_computes_a_loss(case, name):
     batch = next(iter(data.train_dataloader()))
     loss_sum, tokens = module.loss_sum(batch)
     assert tokens > 0 and torch.isfinite(loss_sum)
-    if name.startswith("qwen2.5"):
+    if name == QWEN_RECIPE:
         assert cli.trainer.strategy.mp_dtypes[:2] == (torch.bfloat16, torch.float32)
         assert "document_ids" in batch  # packed rows
         assert module.components["vision"].lr < module.optimizer_config.lr
     else:
         trainable = {n.split(".")[1] for n, p in module.named_parameters() if p.requires_grad}
         assert trainable == {"projector"}
+
+
+def test_the_qwen2_5_vl_recipe_trains_packed_rows_on_2_processes_as_on_one(case, qwen_case):
+    """The recipe as shipped (bf16 parameters, fp32 reduction, the ViT sharded and trained, full checkpointing on
+    the LLM, packed and balanced rows, 2 accumulated micro-batches) on tiny weights: 2 processes of 1 row per
+    micro-batch against 1 process of 2 (bf16 compute: within 2e-4); the export loads in transformers with every
+    tensor, the ViT's changed."""
+    recipe, values = _recipe(case, qwen_case, QWEN_RECIPE)
+    config, _ = _pointed(recipe, values, case.root / "qwen_recipe.yaml")
+    out = case.root / "hf_qwen_recipe"
+    common = [
+        "--trainer.max_steps",
+        "3",
+        "--trainer.enable_checkpointing",
+        "false",
+        "--trainer.log_every_n_steps",
+        "1",
+    ]
+    logger = "--trainer.logger={class_path: lightning.pytorch.loggers.CSVLogger, init_args: {save_dir: %s, name: %s}}"
+    export = f"--trainer.callbacks=[{{class_path: forge_lightning.callbacks.HFExport, init_args: {{dirpath: {out}}}}}]"
+    two, log = _launch(
+        config, case.root / "qwen_two", *common, logger % (case.root, "qwen_two"), export,
+        "--trainer.devices", "2", "--data.init_args.batch_size", "1",
+    )  # fmt: skip
+    one, _ = _launch(
+        config,
+        case.root / "qwen_one",
+        *common,
+        logger % (case.root, "qwen_one"),
+        "--trainer.callbacks",
+        "null",
+    )
+    assert sorted(two) == sorted(one) == [0, 1, 2]
+    assert max(abs(two[s] - one[s]) for s in one) <= 2e-4, (two, one)
+    assert (
+        "params torch.bfloat16, reduce torch.float32" in log and "activation checkpointing: llm full" in log
+    )
+    assert "VLM packing: 48 samples into" in log, log[-3000:]
+    hf, info = Qwen2_5_VLForConditionalGeneration.from_pretrained(out, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    before = Qwen2_5_VLForConditionalGeneration.from_pretrained(
+        qwen_case.checkpoint
+    ).model.visual.state_dict()
+    assert any(not torch.equal(v, before[k]) for k, v in hf.model.visual.state_dict().items())
