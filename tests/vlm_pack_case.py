@@ -54,18 +54,21 @@ def datamodule(tokenizer: Path, train: Path, **options) -> VLMDataModule:
     return dm
 
 
-def model(dm: VLMDataModule, seed: int = 0) -> VisionLanguageModel:
-    """A tiny random Qwen2.5-VL whose vocabulary and image token ids are ``dm``'s tokenizer's (fp32)."""
-    ids = dm.special_token_ids
+def hf_config(dm: VLMDataModule) -> Qwen2_5_VLConfig:
+    """The config of a tiny Qwen2.5-VL whose vocabulary and image token ids are ``dm``'s tokenizer's."""
     vocab = dm.vocab_size + 1
-    hf = Qwen2_5_VLConfig(
+    return Qwen2_5_VLConfig(
         text_config=dict(vocab_size=vocab, bos_token_id=1, eos_token_id=2, **TINY_QWEN2_5_VL_TEXT),
         vision_config=VISION,
         video_token_id=vocab - 1,
-        **ids,
+        **dm.special_token_ids,
     )
+
+
+def model(dm: VLMDataModule, seed: int = 0) -> VisionLanguageModel:
+    """A tiny random Qwen2.5-VL whose vocabulary and image token ids are ``dm``'s tokenizer's (fp32)."""
     torch.manual_seed(seed)
-    vlm = VisionLanguageModel(VLMConfig.from_hf(hf.to_dict())).float()
+    vlm = VisionLanguageModel(VLMConfig.from_hf(hf_config(dm).to_dict())).float()
     with torch.no_grad():
         for p in vlm.parameters():
             p.normal_(0, 0.1) if p.ndim > 1 else p.uniform_(0.5, 1.5)

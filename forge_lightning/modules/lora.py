@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _TIED = ("embed_tokens", "lm_head")
+_PEFT_PREFIX = "base_model.model."  # what peft puts before the adapted module's names
 
 
 @dataclass(kw_only=True)
@@ -101,12 +102,24 @@ def apply_lora(model: nn.Module, config: LoRAConfig, *, base_model_name_or_path:
         return get_peft_model(model, config.to_peft(base_model_name_or_path))
 
 
-def save_adapter(peft_model: Any, path: str | os.PathLike[str]) -> Path:
-    """Write the adapter in Hugging Face PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``)."""
+def save_adapter(
+    peft_model: Any, path: str | os.PathLike[str], state_dict: Mapping[str, Tensor] | None = None
+) -> Path:
+    """Write the adapter in Hugging Face PEFT format (``adapter_config.json`` + ``adapter_model.safetensors``).
+
+    Args:
+        peft_model: what :func:`apply_lora` returned.
+        path: the output directory.
+        state_dict: the adapted module's full state dict (names relative to it), e.g. gathered from a sharded
+            model, whose own parameters are then shards; default: the module's own tensors.
+    """
     path = Path(path)
+    options: dict[str, Any] = {}
+    if state_dict is not None:
+        options["state_dict"] = {f"{_PEFT_PREFIX}{k}": v for k, v in state_dict.items()}
     # The vocabulary never differs from the base model's here, so peft's check for resized embeddings (which
     # would reload the base config through transformers) is skipped; `modules_to_save` are saved regardless.
-    peft_model.save_pretrained(str(path), safe_serialization=True, save_embedding_layers=False)
+    peft_model.save_pretrained(str(path), safe_serialization=True, save_embedding_layers=False, **options)
     return path
 
 

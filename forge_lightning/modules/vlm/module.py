@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
@@ -221,7 +222,25 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
                 module.requires_grad_(False)
             elif settings.lora is not None:
                 self._peft[name] = apply_lora(module, settings.lora, base_model_name_or_path=self.pretrained)
+        self._freeze_unused_vision()
         self.objective = GlobalBatchLoss()
+
+    def _freeze_unused_vision(self) -> None:
+        """Freeze the encoder's parameters its features never reach (their adapters too): they would get no
+        gradient, which DDP refuses ("parameters that were not used in producing the loss") and which would only
+        hold optimizer state for nothing. Their values stay as loaded, as in transformers' training."""
+        prefixes = tuple(f"{name}." for name in self.model.tower.unused_modules(self.model.vision))
+        unused = [
+            p
+            for n, p in self.model.vision.named_parameters()
+            if p.requires_grad and f"{n}.".startswith(prefixes)
+        ]
+        for param in unused:
+            param.requires_grad_(False)
+        if unused:
+            rank_zero_info(
+                f"vision: {len(unused)} parameters frozen, outside the features the LLM gets ({', '.join(p[:-1] for p in prefixes)})"
+            )
 
     def _build(self, config: str | Mapping[str, Any] | None, attention_backend: str) -> VisionLanguageModel:
         if self.pretrained is not None:
@@ -254,18 +273,22 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
         Under a strategy that shards parameters, every rank must call this.
         """
         attached = self._trainer is not None
-        state = full_state_dict(self.trainer.strategy, self.model) if attached else self.model.state_dict()
+        # A strategy that shards parameters gathers them collectively to rank 0; the others leave them whole here.
+        state = full_state_dict(self.trainer.strategy, self.model) if attached else None
+        if state is None:
+            state = self.model.state_dict()
         if not attached or self.trainer.is_global_zero:
+            adapted = {}  # the adapted components' state dicts, adapters included, names relative to each
             for name, settings in self.components.items():
                 if settings.lora is not None:
                     prefix = f"{name}."
-                    part = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
-                    merged = merged_state_dict(part, settings.lora)
+                    adapted[name] = {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
+                    merged = merged_state_dict(adapted[name], settings.lora)
                     state = {k: v for k, v in state.items() if not k.startswith(prefix)}
                     state.update({prefix + k: v for k, v in merged.items()})
             save_pretrained(self.model, self.config, path, dtype=dtype, overwrite=overwrite, state_dict=state)
             for name, peft_model in self._peft.items():
-                save_adapter(peft_model, Path(path) / "adapters" / name)
+                save_adapter(peft_model, Path(path) / "adapters" / name, state_dict=adapted[name])
         if attached:
             self.trainer.strategy.barrier("save_pretrained")
 

@@ -76,6 +76,11 @@ class VisionTower:
         compilation)."""
         raise NotImplementedError
 
+    def unused_modules(self, encoder: nn.Module) -> list[str]:
+        """Names (relative to ``encoder``) of its submodules whose parameters never reach the features the LLM gets
+        (e.g. layers after the deepest feature layer): they get no gradient, so the module keeps them frozen."""
+        return []
+
     def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None) -> float:
         """Training FLOPs (forward + backward) of encoding ``pixels``: ``6 x`` the weights each patch (or merged
         token) passes through, plus ``12 x width x length^2`` per layer and attention segment (``QK^T`` and
@@ -275,6 +280,13 @@ class SiglipVisionTower(VisionTower):
 
     def blocks(self, encoder: nn.Module) -> list[nn.Module]:
         return list(encoder.encoder.layers)
+
+    def unused_modules(self, encoder: nn.Module) -> list[str]:
+        """``post_layernorm`` and the layers after the deepest feature layer (LLaVA reads hidden states before the
+        final norm)."""
+        c = encoder.config
+        deepest = max(check_layers(c.feature_layers, c.num_layers, "vision.feature_layer"))
+        return ["post_layernorm", *(f"encoder.layers.{i}" for i in range(deepest, c.num_layers))]
 
     def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None) -> float:
         """Only the layers up to the deepest feature layer run; the position table is a lookup, not a matmul."""
