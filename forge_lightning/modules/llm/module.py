@@ -163,8 +163,10 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
         ``peft.PeftModel.from_pretrained`` loads onto the base model and ``forge-convert merge-lora`` merges.
         """
         if self._peft_model is not None:
+            # Under a sharding strategy the adapted model's own tensors are shards: gather them first.
+            state = full_state_dict(self.trainer.strategy, self.model) if self._trainer is not None else None
             if self._trainer is None or self.trainer.is_global_zero:
-                save_adapter(self._peft_model, path)
+                save_adapter(self._peft_model, path, state_dict=state)
         else:
             # A strategy that shards parameters (or trains another copy) gathers them collectively to rank 0.
             state = full_state_dict(self.trainer.strategy, self.model) if self._trainer is not None else None
