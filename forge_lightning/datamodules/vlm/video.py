@@ -146,9 +146,15 @@ def read_video(path: str | Path, sampling: VideoSampling, frames: VideoFrames | 
     Args:
         path: the video file.
         sampling: which frames.
-        frames: the decoder cache to use (one per process; a new one by default).
+        frames: the decoder cache to use (one per process, kept open); by default a new one, closed on return.
     """
     info = probe_video(path)
     decoder = frames or VideoFrames("pyav")
-    frames_T3HW = decoder.frames(path, sampling.indices(info), info.fps)
+    try:
+        frames_T3HW = decoder.frames(path, sampling.indices(info), info.fps)
+    finally:
+        # A PyAV container is in a reference cycle, so only the garbage collector would free one left open: in a
+        # forked loader worker that collection waits forever on the parent's decoding threads. Close it here.
+        if frames is None:
+            decoder.close()
     return frames_T3HW.permute(0, 2, 3, 1).numpy()
