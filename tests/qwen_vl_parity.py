@@ -20,16 +20,22 @@ LOGITS_TOL, LOSS_TOL, GRAD_TOL = 1e-4, 1e-5, 1e-4
 Grid = tuple[int, int, int]
 
 
-def hf_checkpoint(hf_cls, config_cls, text_config: dict, vision_config: dict, path: Path, tie: bool = False):
-    """A random fp32 ``hf_cls`` (weights ~ N(0, 0.1)) with our special tokens, saved to ``path``."""
+def hf_checkpoint(
+    hf_cls,
+    config_cls,
+    text_config: dict,
+    vision_config: dict,
+    path: Path,
+    tie: bool = False,
+    tokens: dict[str, int] | None = None,
+):
+    """A random fp32 ``hf_cls`` (weights ~ N(0, 0.1)) with our special tokens (or ``tokens``: ``image_token_id``
+    ... by config name), saved to ``path``."""
+    tokens = tokens or dict(
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END
+    )
     config = config_cls(
-        text_config=text_config,
-        vision_config=vision_config,
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=START,
-        vision_end_token_id=END,
-        tie_word_embeddings=tie,
+        text_config=text_config, vision_config=vision_config, tie_word_embeddings=tie, **tokens
     )
     torch.manual_seed(0)
     hf = hf_cls(config).float().eval()
@@ -54,6 +60,22 @@ def pixels(grids: list[Grid], seed: int, patch: int) -> torch.Tensor:
     return torch.randn(num_patches, 3 * 2 * patch**2, generator=torch.Generator().manual_seed(seed))
 
 
+def hf_video_rows(frames: list, hf_processor, temporal_patch_size: int = 2) -> tuple[torch.Tensor, list[int]]:
+    """The patch rows and grid of a video's ``frames`` as transformers makes them: its PIL image processor
+    ``hf_processor`` (at the video pixel limits) on each frame, in ``Qwen2VLVideoProcessor.patchify``'s layout
+    (temporal patches outermost, each row ``[C, temporal, P, P]``, an odd count padded with the last frame)."""
+    P, S = hf_processor.patch_size, temporal_patch_size
+    per_frame, grid = [], None
+    for frame in frames:
+        out = hf_processor(images=[frame], return_tensors="pt")
+        rows = out["pixel_values"]
+        per_frame.append(rows.reshape(len(rows), 3, S, P, P)[:, :, 0])
+        grid = out["image_grid_thw"][0, 1:].tolist()
+    per_frame += per_frame[-1:] * (-len(frames) % S)
+    groups = [torch.stack(per_frame[t : t + S], dim=2) for t in range(0, len(per_frame), S)]
+    return torch.cat([g.reshape(len(g), -1) for g in groups]), [len(groups), *grid]
+
+
 def right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """``(input_ids, attention_mask)`` of ``rows`` padded on the right with token 0."""
     seq = max(map(len, rows))
@@ -63,18 +85,21 @@ def right_padded(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
     return ids, mask
 
 
-def hf_logits(hf, batch: dict, **kwargs) -> tuple[torch.Tensor, object]:
-    """transformers' logits and output for ``batch`` (with the processor's ``mm_token_type_ids``)."""
+def hf_logits(
+    hf, batch: dict, *, image: int = IMAGE, video: int = VIDEO, **kwargs
+) -> tuple[torch.Tensor, object]:
+    """transformers' logits and output for ``batch`` (with the processor's ``mm_token_type_ids``; ``image`` /
+    ``video``: the placeholder ids)."""
     ids = batch["input_ids"]
-    token_types = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+    token_types = (ids == image).int() + 2 * (ids == video).int()
     out = hf(**batch, mm_token_type_ids=token_types, **kwargs)
     return out.logits, out
 
 
-def labels(batch: dict) -> torch.Tensor:
+def labels(batch: dict, *, image: int = IMAGE, video: int = VIDEO) -> torch.Tensor:
     """The input ids as labels, -100 at padding and placeholders."""
     ids = batch["input_ids"]
-    ignore = (batch["attention_mask"] == 0) | (ids == IMAGE) | (ids == VIDEO)
+    ignore = (batch["attention_mask"] == 0) | (ids == image) | (ids == video)
     return ids.masked_fill(ignore, -100)
 
 
@@ -87,15 +112,16 @@ def hf_name(name: str) -> str:
     return name.removeprefix("llm.")
 
 
-def assert_matches_transformers(hf, model, batch: dict) -> None:
-    """Logits (at the kept tokens), loss and every gradient of ``model`` against ``hf`` on ``batch``."""
+def assert_matches_transformers(hf, model, batch: dict, *, image: int = IMAGE, video: int = VIDEO) -> None:
+    """Logits (at the kept tokens), loss and every gradient of ``model`` against ``hf`` on ``batch`` (``image`` /
+    ``video``: the placeholder ids)."""
     hf.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
-    target = labels(batch)
+    target = labels(batch, image=image, video=video)
     keep = batch["attention_mask"].bool()
 
     logits = model(**batch)
-    want_logits, out = hf_logits(hf, batch, labels=target)
+    want_logits, out = hf_logits(hf, batch, image=image, video=video, labels=target)
     logits_err = (logits - want_logits)[keep].abs().max().item()
     assert logits_err <= LOGITS_TOL, logits_err
 

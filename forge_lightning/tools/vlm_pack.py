@@ -20,7 +20,13 @@ _VISION_OPTIONS = (
     "merge_size",
     "temporal_patch_size",
     "image_size",
+    "video_num_frames",
+    "video_min_frames",
+    "video_max_frames",
+    "video_min_pixels",
+    "video_max_pixels",
 )
+_FLOAT_OPTIONS = ("video_fps",)
 
 
 def vlm_pack(args: argparse.Namespace) -> None:
@@ -29,7 +35,9 @@ def vlm_pack(args: argparse.Namespace) -> None:
     from forge_lightning.datamodules.vlm.packing import padding_fraction, write_bins
 
     options = {
-        k: getattr(args, k) for k in (*_SAMPLE_OPTIONS, *_VISION_OPTIONS) if getattr(args, k) is not None
+        k: getattr(args, k)
+        for k in (*_SAMPLE_OPTIONS, *_VISION_OPTIONS, *_FLOAT_OPTIONS)
+        if getattr(args, k) is not None
     }
     dm = VLMDataModule(
         args.input,
@@ -79,4 +87,6 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", default=None, help=f"as data.{name}")
     for name in _VISION_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"as data.{name}")
+    for name in _FLOAT_OPTIONS:
+        p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help=f"as data.{name}")
     p.set_defaults(func=vlm_pack)

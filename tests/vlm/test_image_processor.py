@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
+from qwen_vl_parity import hf_video_rows
 
 from forge_lightning.datamodules.vlm import Qwen2VLImageProcessor, num_merged_tokens, smart_resize
 from forge_lightning.datamodules.vlm.video import VideoInfo, VideoSampling, probe_video, read_video
@@ -143,19 +144,8 @@ def test_image_fills_its_temporal_patch_with_copies():
 
 # ----- videos ------------------------------------------------------------------------------------------------
 def _expected_video(frames: list[Image.Image], processor: Qwen2VLImageProcessor) -> tuple[torch.Tensor, list]:
-    """transformers' frames (its image path at the video limits) in ``Qwen2VLVideoProcessor.patchify``'s layout:
-    temporal patches outermost, each row ``[C, temporal, P, P]``, an odd count padded with the last frame."""
     hf = _hf(min_pixels=processor.video_min_pixels, max_pixels=processor.video_max_pixels)
-    per_frame, grid = [], None
-    for frame in frames:
-        out = hf(images=[frame], return_tensors="pt")
-        rows = out["pixel_values"]
-        per_frame.append(rows.reshape(len(rows), 3, processor.temporal_patch_size, 14, 14)[:, :, 0])
-        grid = out["image_grid_thw"][0, 1:].tolist()
-    S = processor.temporal_patch_size
-    per_frame += per_frame[-1:] * (-len(frames) % S)
-    groups = [torch.stack(per_frame[t : t + S], dim=2) for t in range(0, len(per_frame), S)]
-    return torch.cat([g.reshape(len(g), -1) for g in groups]), [len(groups), *grid]
+    return hf_video_rows(frames, hf, processor.temporal_patch_size)
 
 
 @pytest.mark.parametrize("num_frames", [3, 4])
@@ -304,7 +294,8 @@ def test_video_file_frames_and_pixels(tmp_path):
     expected, grid = _expected_video([Image.fromarray(decoded[i]) for i in [0, 5, 11, 17]], processor)
     assert out["video_grid_thw"].tolist() == [grid] == [[2, 6, 6]]  # 72x96 -> 84x84
     assert torch.equal(out["pixel_values_videos"], expected)
-    assert sampling.seconds_per_grid(info) == 1.0  # 2 frames per temporal patch at 2 fps
+    # transformers' sampled_fps: 4 of 23 frames at 10 fps are 1.74 frames per second, not the 2 asked for
+    assert sampling.seconds_per_grid(info) == pytest.approx(2 / (4 * 10 / 23))
     assert VideoSampling(num_frames=6).seconds_per_grid(info) == pytest.approx(2 / (6 * 10 / 23))
 
 

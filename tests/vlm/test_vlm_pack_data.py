@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from vlm_pack_case import datamodule, model, token_losses, write_data
+from vlm_pack_case import datamodule, model, per_sample_losses, token_losses, write_data
 
-from forge_lightning.datamodules.vlm.packing import VLMPackedDataset, packed_collate
+from forge_lightning.datamodules.vlm.packing import packed_collate
 from forge_lightning.tools.data import main as forge_data
 
 TOL = 1e-5
@@ -21,23 +21,6 @@ TOL = 1e-5
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> tuple[Path, Path]:
     return write_data(tmp_path_factory.mktemp("vlm_pack"))
-
-
-def _per_sample_losses(vlm, dm) -> dict[int, torch.Tensor]:
-    """Token losses of every sample, by its index in the scanned samples, from the datamodule's collated batch."""
-    dataset = dm.train_dataset
-    with torch.no_grad():
-        losses_BS = token_losses(vlm, dm.collate_fn([dataset[i] for i in range(len(dataset))]))
-    if not isinstance(dataset, VLMPackedDataset):
-        return {i: losses_BS[i, :n] for i, n in enumerate(dataset.lengths)}
-    out = {}
-    for row, members in enumerate(dataset.bins):
-        cursor = 0
-        for i in members:
-            n = dataset.dataset.samples[i].length
-            out[i] = losses_BS[row, cursor : cursor + n]
-            cursor += n
-    return out
 
 
 def test_packed_training_gives_each_token_its_unpacked_loss(data) -> None:
@@ -59,7 +42,7 @@ def test_packed_training_gives_each_token_its_unpacked_loss(data) -> None:
         without = {k: v for k, v in batch.items() if k != "position_ids"}
         torch.testing.assert_close(token_losses(vlm, batch), token_losses(vlm, without), atol=1e-6, rtol=0)
 
-    ours, reference = _per_sample_losses(vlm, packed), _per_sample_losses(vlm, plain)
+    ours, reference = per_sample_losses(vlm, packed), per_sample_losses(vlm, plain)
     assert ours.keys() == reference.keys()
     for i, losses in reference.items():
         torch.testing.assert_close(ours[i], losses, atol=TOL, rtol=TOL, msg=f"sample {i}")

@@ -318,6 +318,7 @@ def _recipe(case: Case, qwen_case: QwenCase, name: str) -> tuple[Path, dict[str,
             "data.init_args.train_files": str(qwen_case.train),
             **{f"data.init_args.{k}": v for k, v in options.items()},
             "data.init_args.max_patches_per_row": 256,
+            "performance.attention.packed": "sdpa",  # the recipe's varlen needs CUDA
         }
     return REPO / "configs" / "vlm" / name, {
         "model.init_args.config.vision.pretrained": str(case.siglip),

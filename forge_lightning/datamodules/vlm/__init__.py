@@ -1,5 +1,6 @@
-"""Vision-language data: image + text conversations (LLaVA, ShareGPT with images, OpenAI content parts), their
-encoding with vision tokens, Qwen2-VL / Qwen2.5-VL and fixed-resolution image inputs, and the datamodule.
+"""Vision-language data: image / video + text conversations (LLaVA, ShareGPT with images / videos, OpenAI content
+parts), their encoding with vision tokens, Qwen2-VL / Qwen2.5-VL image and video inputs and fixed-resolution image
+inputs, and the datamodule.
 
 Public names are imported lazily, as in the other data packages.
 """
@@ -22,6 +23,9 @@ _EXPORTS = {
     "VLMEncoder": "encoding",
     "VLMRecord": "records",
     "VLMSample": "scan",
+    "VideoFile": "video",
+    "VideoInputs": "vision_inputs",
+    "VideoSampling": "video",
     "VisionInputs": "vision_inputs",
     "num_merged_tokens": "image_processor",
     "parse_vlm_record": "records",
@@ -43,6 +47,9 @@ __all__ = [
     "VLMEncoder",
     "VLMRecord",
     "VLMSample",
+    "VideoFile",
+    "VideoInputs",
+    "VideoSampling",
     "VisionInputs",
     "num_merged_tokens",
     "parse_vlm_record",
@@ -62,10 +69,12 @@ if TYPE_CHECKING:
     )
     from forge_lightning.datamodules.vlm.records import ImageSource, VLMRecord, parse_vlm_record
     from forge_lightning.datamodules.vlm.scan import BadSampleError, ScanReport, VLMSample, scan_files
+    from forge_lightning.datamodules.vlm.video import VideoFile, VideoSampling
     from forge_lightning.datamodules.vlm.vision_inputs import (
         PROCESSORS,
         FixedResolutionVisionInputs,
         Qwen2VLVisionInputs,
+        VideoInputs,
         VisionInputs,
     )
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -20,6 +20,7 @@ from forge_lightning.datamodules.loader import StepLoader
 from forge_lightning.datamodules.vlm.dataset import VLMDataset
 from forge_lightning.datamodules.vlm.packing import VLMPackedDataset
 from forge_lightning.datamodules.vlm.scan import VLMSample
+from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs
 
 
 @dataclass(kw_only=True)
@@ -30,7 +31,7 @@ class CostModel:
     Per layer, the linear layers cost ``24 * hidden ** 2`` per token (projections and MLP of ~12 ``hidden ** 2``
     weights) and attention ``4 * hidden`` per (query, key) pair: causal within each LLM document
     (``n ** 2 / 2`` pairs), bidirectional within each image in the encoder (``p ** 2``; Qwen2.5-VL's windowed layers
-    cost less, so images are somewhat overweighted).
+    cost less, so images are somewhat overweighted; a video counts as one image per temporal patch).
 
     Args:
         llm_hidden_size: the LLM's hidden size.
@@ -53,7 +54,13 @@ class CostModel:
 
 
 def _image_patches(dataset: VLMDataset, samples: Sequence[VLMSample]) -> list[int]:
-    return [dataset.vision.num_patches(size) for s in samples for size in s.sizes]
+    """Patches of each image, and of each temporal patch of each video (the encoder attends within a frame)."""
+    vision = dataset.vision
+    patches = [vision.num_patches(size) for s in samples for size in s.sizes]
+    for video in (v for s in samples for v in s.videos):
+        t, h, w = cast(VideoInputs, vision).video_grid(video.info)
+        patches += [h * w] * t
+    return patches
 
 
 def item_costs(dataset: VLMDataset | VLMPackedDataset, model: CostModel) -> list[float]:

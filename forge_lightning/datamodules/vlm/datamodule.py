@@ -1,4 +1,4 @@
-"""Supervised fine-tuning data of vision-language models: image + text conversations, loss-masked, in padded
+"""Supervised fine-tuning data of vision-language models: image / video + text conversations, loss-masked, in padded
 batches of the inputs ``VisionLanguageModel`` takes."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from forge_lightning.datamodules.chat import ChatEncoder
 from forge_lightning.datamodules.loader import StepLoader
 from forge_lightning.datamodules.sft import GenerationReference
 from forge_lightning.datamodules.vlm.balance import BalancedStepLoader, CostModel, item_costs
-from forge_lightning.datamodules.vlm.dataset import VLMDataset, load_images
+from forge_lightning.datamodules.vlm.dataset import VLMDataset, media_inputs
 from forge_lightning.datamodules.vlm.encoding import VLMEncoder
 from forge_lightning.datamodules.vlm.packing import (
     VLMPackedDataset,
@@ -30,14 +30,16 @@ from forge_lightning.datamodules.vlm.vision_inputs import PROCESSORS, VisionInpu
 
 
 class VLMDataModule(TokenDataModule):
-    """Image + text chat fine-tuning data from ``.json`` / ``.jsonl`` files, WebDataset shards or Energon-prepared
-    datasets (``sources.py``; records in LLaVA, ShareGPT with images, OpenAI content parts; text-only records too),
-    rendered with a chat template, images expanded to vision tokens.
+    """Image / video + text chat fine-tuning data from ``.json`` / ``.jsonl`` files, WebDataset shards or
+    Energon-prepared datasets (``sources.py``; records in LLaVA, ShareGPT with images / videos, OpenAI content parts;
+    text-only records too), rendered with a chat template, images and videos expanded to vision tokens.
 
-    ``setup`` scans every record first (image headers, ``<image>`` counts, lengths after expansion, assistant
-    turns); bad ones are skipped and counted in one summary line, or raised (``on_bad_sample="error"``). Batches are
-    right-padded: ``input_ids``, ``attention_mask``, ``labels`` (shifted next tokens, -100 where not trained, as in
-    SFT), plus ``pixel_values`` (and ``image_grid_thw`` for ``qwen2_vl``) when a sample of the batch has an image.
+    ``setup`` scans every record first (image headers, video headers, ``<image>`` / ``<video>`` counts, lengths
+    after expansion, assistant turns); bad ones are skipped and counted in one summary line, or raised
+    (``on_bad_sample="error"``). Batches are right-padded: ``input_ids``, ``attention_mask``, ``labels`` (shifted
+    next tokens, -100 where not trained, as in SFT), plus ``pixel_values`` (and ``image_grid_thw`` for ``qwen2_vl``)
+    when a sample of the batch has an image, and ``pixel_values_videos``, ``video_grid_thw``,
+    ``second_per_grid_ts`` (``qwen2_vl`` only) when one has a video.
     With ``pack``, training batches are packed rows instead (see :mod:`~forge_lightning.datamodules.vlm.packing`):
     ``input_ids``, ``labels``, ``document_ids``, ``position_ids`` ``[B, seq_length]`` (``[3, B, seq_length]``
     positions for ``qwen2_vl``) and the rows' pixel inputs; with ``balance``, each global micro-batch is split over
@@ -46,7 +48,8 @@ class VLMDataModule(TokenDataModule):
     Args:
         train_files: data file(s) of training records: ``.json`` / ``.jsonl``, ``.tar`` shards or brace patterns,
             or energon-prepared directories (their ``train`` part; ``val_files`` read the ``val`` part).
-        tokenizer: the model's Hugging Face tokenizer directory (it must have the processor's image tokens).
+        tokenizer: the model's Hugging Face tokenizer directory (it must have the processor's image tokens, and
+            ``<|video_pad|>`` for videos).
         val_files: data file(s) of validation records (masked loss and generation references).
         image_root: the directory relative image paths start from (default: each data file's directory).
         template: ``None`` for the tokenizer's own chat template, a built-in name or a ``.jinja`` file.
@@ -59,6 +62,15 @@ class VLMDataModule(TokenDataModule):
         merge_size: ``qwen2_vl``: side of the square of patches merged into one token (default 2).
         temporal_patch_size: ``qwen2_vl``: frames per temporal patch (default 2).
         image_size: ``fixed``: side of the square images are resized to (default 384).
+        video_fps: ``qwen2_vl``: frames sampled per second of video (default 2.0; not with ``video_num_frames``).
+        video_num_frames: ``qwen2_vl``: a fixed number of frames sampled per video instead (rounded to a
+            multiple of ``temporal_patch_size``).
+        video_min_frames: ``qwen2_vl``: the least frames sampled at ``video_fps`` (default 4).
+        video_max_frames: ``qwen2_vl``: the most frames sampled at ``video_fps`` (default 768).
+        video_min_pixels: ``qwen2_vl``: the least pixels of a resized video frame (default 100352).
+        video_max_pixels: ``qwen2_vl``: the most pixels of a resized video frame (default 602112).
+        tokens_per_second: ``qwen2_vl``: temporal positions per second of video, for the positions of packed rows:
+            the model's ``vision_config.tokens_per_second`` (default 2, Qwen2.5-VL's).
         on_bad_sample: ``skip`` (count and leave out) or ``error`` (raise the first bad record).
         verify_pixels: decode every image at setup too (slow; finds truncated JPEGs that ``verify()`` misses).
         pack: pack training samples into ``seq_length`` rows (best fit over a buffer, in a seeded order).
@@ -91,6 +103,13 @@ class VLMDataModule(TokenDataModule):
         merge_size: int | None = None,
         temporal_patch_size: int | None = None,
         image_size: int | None = None,
+        video_fps: float | None = None,
+        video_num_frames: int | None = None,
+        video_min_frames: int | None = None,
+        video_max_frames: int | None = None,
+        video_min_pixels: int | None = None,
+        video_max_pixels: int | None = None,
+        tokens_per_second: float | None = None,
         on_bad_sample: str = "skip",
         verify_pixels: bool = False,
         pack: bool = False,
@@ -122,6 +141,13 @@ class VLMDataModule(TokenDataModule):
             "merge_size": merge_size,
             "temporal_patch_size": temporal_patch_size,
             "image_size": image_size,
+            "video_fps": video_fps,
+            "video_num_frames": video_num_frames,
+            "video_min_frames": video_min_frames,
+            "video_max_frames": video_max_frames,
+            "video_min_pixels": video_min_pixels,
+            "video_max_pixels": video_max_pixels,
+            "tokens_per_second": tokens_per_second,
         }
         self.vision_options = {k: v for k, v in given.items() if v is not None}
         allowed = PROCESSORS[processor].options
@@ -170,7 +196,8 @@ class VLMDataModule(TokenDataModule):
     @property
     def special_token_ids(self) -> dict[str, int]:
         """The tokenizer's ids of the image tokens, by config name (``image_token_id``, and for ``qwen2_vl``
-        ``vision_start_token_id`` / ``vision_end_token_id``): the model's config must agree."""
+        ``vision_start_token_id`` / ``vision_end_token_id``, and ``video_token_id`` where the tokenizer has
+        ``<|video_pad|>``): the model's config must agree."""
         return self.vision.special_token_ids
 
     @property
@@ -228,16 +255,19 @@ class VLMDataModule(TokenDataModule):
         return BalancedStepLoader(dataset, costs=item_costs(dataset, self.balance_cost), **options)
 
     def generation_references(self, split: str = "val") -> list[GenerationReference]:
-        """Prompts (the conversation before its last assistant turn, image tokens expanded, with the pixel inputs
-        of the images it holds as ``inputs``) and that turn's text, for generation metrics such as exact match."""
+        """Prompts (the conversation before its last assistant turn, image and video tokens expanded, with the
+        pixel inputs of the images and videos it holds as ``inputs``) and that turn's text, for generation metrics
+        such as exact match."""
         if split != "val":
             raise ValueError(f"generation references exist for split 'val' only, got {split!r}")
         if not self._val_samples and self.val_files:
             self.setup("validate")
         references = []
         for sample in self._val_samples:
-            prompt, answer, count = self.encoder.prompt_and_answer(sample.conversation, sample.sizes)
-            inputs = self.vision.process(load_images(sample, count)) if count else None
+            prompt, answer, num_images, num_videos = self.encoder.prompt_and_answer(
+                sample.conversation, sample.sizes, [v.info for v in sample.videos]
+            )
+            inputs = media_inputs(sample, self.vision, num_images, num_videos) or None
             references.append(GenerationReference(prompt, answer, sample.source, inputs))
         return references
 

@@ -1,23 +1,27 @@
-"""Vision-language samples as tokens: the chat template's rendering with each image expanded to its vision tokens::
+"""Vision-language samples as tokens: the chat template's rendering with each image (video) expanded to its vision
+tokens::
 
     record text "<image>\\nWhat colour?"   ─ placeholder → image token ─ ChatEncoder (template, loss mask)
       ─ tokens  [... <|im_start|> user \\n <|image_pad|> \\n What colour ? ...]
       ─ expand  [... <|im_start|> user \\n <|vision_start|> <|image_pad|> x N <|vision_end|> \\n What ...]
 
 The image token is a special token, so the text around it tokenizes the same with one or with N of them; the
-expanded vision tokens are never trained.
+expanded vision tokens are never trained. A ``<video>`` placeholder becomes the video token (``<|video_pad|>``) and
+expands likewise, to the merged patches of its sampled frames; images and videos are each taken in their own order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
 from forge_lightning.datamodules.chat import ChatEncoder, ChatFormatError, Conversation
-from forge_lightning.datamodules.vlm.records import IMAGE_PLACEHOLDER
-from forge_lightning.datamodules.vlm.vision_inputs import VisionInputs
+from forge_lightning.datamodules.vlm.records import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
+from forge_lightning.datamodules.vlm.video import VideoInfo
+from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs, VisionInputs
 
 
 @dataclass
@@ -34,67 +38,116 @@ class EncodedConversation:
 
 
 class VLMEncoder:
-    """Renders a conversation with a :class:`ChatEncoder` and expands each image into the vision tokens of a
-    :class:`VisionInputs`.
+    """Renders a conversation with a :class:`ChatEncoder` and expands each image and video into the vision tokens
+    of a :class:`VisionInputs`.
 
     Args:
         chat: renders and tokenizes the text with its loss mask.
-        vision: the image tokens and pixel inputs.
+        vision: the image (and video) tokens and pixel inputs.
     """
 
     def __init__(self, chat: ChatEncoder, vision: VisionInputs) -> None:
         self.chat = chat
         self.vision = vision
 
-    def with_image_tokens(self, conversation: Conversation) -> Conversation:
-        """``conversation`` with each :data:`IMAGE_PLACEHOLDER` written as the vision inputs' image token."""
+    def with_vision_tokens(self, conversation: Conversation) -> Conversation:
+        """``conversation`` with each :data:`IMAGE_PLACEHOLDER` written as the vision inputs' image token and each
+        :data:`VIDEO_PLACEHOLDER` as their video token (kept as it is where they take no videos)."""
+        video_token = self.vision.video_token or VIDEO_PLACEHOLDER
+
+        def written(text: str) -> str:
+            return text.replace(IMAGE_PLACEHOLDER, self.vision.image_token).replace(
+                VIDEO_PLACEHOLDER, video_token
+            )
+
         messages = [
-            {**m, "content": m["content"].replace(IMAGE_PLACEHOLDER, self.vision.image_token)}
-            if isinstance(m.get("content"), str)
-            else m
+            {**m, "content": written(m["content"])} if isinstance(m.get("content"), str) else m
             for m in conversation.messages
         ]
         return Conversation(messages, conversation.tools, conversation.source)
 
-    def encode(self, conversation: Conversation, sizes: Sequence[tuple[int, int]]) -> EncodedConversation:
+    def encode(
+        self,
+        conversation: Conversation,
+        sizes: Sequence[tuple[int, int]],
+        videos: Sequence[VideoInfo] = (),
+    ) -> EncodedConversation:
         """Tokens and loss mask of ``conversation`` (placeholders in its text) whose images have ``sizes``
-        ``(width, height)``, in order.
+        ``(width, height)`` and whose videos' headers say ``videos``, each in order.
 
         Raises:
-            ChatFormatError: the rendered text holds another number of image tokens than there are images.
+            ChatFormatError: the rendered text holds another number of image (video) tokens than there are images
+                (videos).
         """
-        encoded = self.chat.encode(self.with_image_tokens(conversation))
-        tokens, trainable = self._expand(encoded.tokens, encoded.trainable, sizes, conversation.source)
+        encoded = self.chat.encode(self.with_vision_tokens(conversation))
+        tokens, trainable = self._expand(
+            encoded.tokens, encoded.trainable, sizes, videos, conversation.source
+        )
         return EncodedConversation(tokens, trainable)
 
     def prompt_and_answer(
-        self, conversation: Conversation, sizes: Sequence[tuple[int, int]]
-    ) -> tuple[list[int], str, int]:
-        """The prompt ids before the last assistant turn (with the generation prompt, images expanded), that turn's
-        text, and how many of the images (the first ones) the prompt holds."""
-        prompt, answer = self.chat.prompt_and_answer(self.with_image_tokens(conversation))
+        self,
+        conversation: Conversation,
+        sizes: Sequence[tuple[int, int]],
+        videos: Sequence[VideoInfo] = (),
+    ) -> tuple[list[int], str, int, int]:
+        """The prompt ids before the last assistant turn (with the generation prompt, images and videos
+        expanded), that turn's text, and how many of the images and of the videos (the first ones) the prompt
+        holds."""
+        prompt, answer = self.chat.prompt_and_answer(self.with_vision_tokens(conversation))
         prompt_ids = np.asarray(prompt, np.int64)
-        count = int((prompt_ids == self.vision.image_token_id).sum())
-        tokens, _ = self._expand(
-            prompt_ids, np.zeros(len(prompt_ids), bool), sizes[:count], conversation.source
+        num_images = int((prompt_ids == self.vision.image_token_id).sum())
+        num_videos = (
+            0 if self.vision.video_token_id is None else int((prompt_ids == self.vision.video_token_id).sum())
         )
-        return tokens.tolist(), answer, count
+        tokens, _ = self._expand(
+            prompt_ids,
+            np.zeros(len(prompt_ids), bool),
+            sizes[:num_images],
+            videos[:num_videos],
+            conversation.source,
+        )
+        return tokens.tolist(), answer, num_images, num_videos
 
     def _expand(
-        self, tokens: np.ndarray, trainable: np.ndarray, sizes: Sequence[tuple[int, int]], source: str
+        self,
+        tokens: np.ndarray,
+        trainable: np.ndarray,
+        sizes: Sequence[tuple[int, int]],
+        videos: Sequence[VideoInfo],
+        source: str,
     ) -> tuple[np.ndarray, np.ndarray]:
-        at = np.flatnonzero(tokens == self.vision.image_token_id)
-        if len(at) != len(sizes):
-            raise ChatFormatError(
-                f"{source}: the rendered text holds {len(at)} image token(s) {self.vision.image_token!r} but the "
-                f"record has {len(sizes)} image(s); the text must not contain that token itself"
-            )
+        replacements = self._replacements(tokens, sizes, videos, source)
         pieces_ids, pieces_trained, start = [], [], 0
-        for position, size in zip(at.tolist(), sizes):
-            vision_ids = np.asarray(self.vision.placeholder_ids(size), np.int64)
+        for position in sorted(replacements):
+            vision_ids = np.asarray(replacements[position], np.int64)
             pieces_ids += [tokens[start:position], vision_ids]
             pieces_trained += [trainable[start:position], np.zeros(len(vision_ids), bool)]
             start = position + 1
         pieces_ids.append(tokens[start:])
         pieces_trained.append(trainable[start:])
         return np.concatenate(pieces_ids).astype(np.int32), np.concatenate(pieces_trained)
+
+    def _replacements(
+        self, tokens: np.ndarray, sizes: Sequence[tuple[int, int]], videos: Sequence[VideoInfo], source: str
+    ) -> dict[int, list[int]]:
+        """The vision ids that replace the image or video token at each of its positions in ``tokens``."""
+        vision = self.vision
+        kinds = [("image", vision.image_token, vision.image_token_id, sizes, vision.placeholder_ids)]
+        if vision.video_token_id is not None:
+            video = cast(VideoInputs, vision)
+            kinds.append(
+                ("video", vision.video_token, vision.video_token_id, videos, video.video_placeholder_ids)
+            )
+        elif videos:
+            raise ChatFormatError(f"{source}: the record has video(s) but the vision inputs take none")
+        out: dict[int, list[int]] = {}
+        for kind, token, token_id, items, placeholder in kinds:
+            at = np.flatnonzero(tokens == token_id)
+            if len(at) != len(items):
+                raise ChatFormatError(
+                    f"{source}: the rendered text holds {len(at)} {kind} token(s) {token!r} but the record has "
+                    f"{len(items)} {kind}(s); the text must not contain that token itself"
+                )
+            out |= {int(position): placeholder(item) for position, item in zip(at, items)}
+        return out

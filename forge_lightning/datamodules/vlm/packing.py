@@ -4,7 +4,8 @@
     document_ids  [ 0 ...                  | 1 ...                | 2 ...              | 3 ...   ]
     position_ids  each sample's own (Qwen2-VL: [3, S] multimodal RoPE positions restarting per sample), the
                   padding's 0 .. p-1
-    pixel_values  images 1, 2, 3 concatenated in order; image_grid_thw likewise
+    pixel_values  images 1, 2, 3 concatenated in order; image_grid_thw likewise; videos (pixel_values_videos,
+                  video_grid_thw, second_per_grid_ts) the same
 
 Bins come from :func:`~forge_lightning.datamodules.packing.best_fit_pack` (tokens per row, optionally vision patches
 per row too), online at setup or read from a bins file written offline by ``forge-data vlm-pack``.

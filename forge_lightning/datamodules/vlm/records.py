@@ -1,17 +1,22 @@
-"""Vision-language records: image + text conversations in the formats users already have, read from ``.json`` (a
-list) or ``.jsonl`` files.
+"""Vision-language records: image / video + text conversations in the formats users already have, read from
+``.json`` (a list) or ``.jsonl`` files.
 
 Every format becomes a chat :class:`~forge_lightning.datamodules.chat.Conversation` whose text marks each image
-with :data:`IMAGE_PLACEHOLDER`, plus the record's images in placeholder order:
+with :data:`IMAGE_PLACEHOLDER` and each video with :data:`VIDEO_PLACEHOLDER`, plus the record's images and videos,
+each in placeholder order:
 
-* LLaVA: ``{"image": "a.jpg" | [...], "conversations": [{"from": "human", "value": "<image>\\n..."}, ...]}``;
-* ShareGPT with images: ``{"images": [...], "messages": [{"role": "user", "content": "<image>..."}, ...]}``;
+* LLaVA: ``{"image": "a.jpg" | [...], "conversations": [{"from": "human", "value": "<image>\\n..."}, ...]}``, or
+  ``"video": "a.mp4" | [...]`` with ``<video>`` in the text;
+* ShareGPT with images: ``{"images": [...], "videos": [...], "messages": [{"role": "user", "content":
+  "<image>..."}, ...]}``;
 * OpenAI content parts: ``{"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
-  {"type": "text", "text": "..."}]}, ...]}``, or ``{"type": "image_url", "image_url": {"url": ...}}`` parts; a
-  part without a reference (``{"type": "image"}``) takes the next image of a top-level ``images`` list.
+  {"type": "video", "video": "a.mp4"}, {"type": "text", "text": "..."}]}, ...]}``, or ``image_url`` / ``video_url``
+  parts (``{"type": "image_url", "image_url": {"url": ...}}``); a part without a reference (``{"type": "image"}``)
+  takes the next item of the top-level ``images`` (``videos``) list.
 
 An image reference is a path (relative to the image root), a ``file://`` URL or a ``data:image/...;base64,`` URL;
-in a shard it is the name of a member of the same sample (``0.jpg``; see ``sources.py``).
+in a shard it is the name of a member of the same sample (``0.jpg``; see ``sources.py``). A video reference is a
+path or a ``file://`` URL (videos are decoded from files).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 from urllib.parse import unquote, urlparse
@@ -32,8 +37,13 @@ from forge_lightning.datamodules.vlm.image_processor import to_rgb
 IMAGE_PLACEHOLDER = "<image>"
 """Where an image goes in a record's text."""
 
+VIDEO_PLACEHOLDER = "<video>"
+"""Where a video goes in a record's text."""
+
 SUFFIXES = (".json", ".jsonl")
-_IMAGE_PARTS = ("image", "image_url")
+# Content part types by the modality they carry.
+_MEDIA_PARTS = {"image": "images", "image_url": "images", "video": "videos", "video_url": "videos"}
+_PLACEHOLDERS = {"images": IMAGE_PLACEHOLDER, "videos": VIDEO_PLACEHOLDER}
 # EXIF orientations that rotate by 90 or 270 degrees (transposing swaps width and height).
 _TRANSPOSED_ORIENTATIONS = (5, 6, 7, 8)
 
@@ -100,20 +110,27 @@ class ImageSource:
 
 @dataclass
 class VLMRecord:
-    """A conversation whose text marks images with :data:`IMAGE_PLACEHOLDER`, and the references of its images.
+    """A conversation whose text marks images with :data:`IMAGE_PLACEHOLDER` and videos with
+    :data:`VIDEO_PLACEHOLDER`, and the references of its images and videos.
 
     Args:
         conversation: the messages (``source`` names the file and line).
         image_refs: the image references in placeholder order, as the record writes them.
+        video_refs: the video references in placeholder order.
     """
 
     conversation: Conversation
     image_refs: list[str]
+    video_refs: list[str] = field(default_factory=list)
+
+    def count(self, placeholder: str) -> int:
+        """Occurrences of ``placeholder`` in the text of all messages."""
+        return sum(str(m.get("content") or "").count(placeholder) for m in self.conversation.messages)
 
     @property
     def num_placeholders(self) -> int:
         """:data:`IMAGE_PLACEHOLDER` occurrences in the text of all messages."""
-        return sum(str(m.get("content") or "").count(IMAGE_PLACEHOLDER) for m in self.conversation.messages)
+        return self.count(IMAGE_PLACEHOLDER)
 
 
 def parse_vlm_record(record: Any, source: str = "") -> VLMRecord:
@@ -125,13 +142,17 @@ def parse_vlm_record(record: Any, source: str = "") -> VLMRecord:
     try:
         if not isinstance(record, dict):
             raise TypeError(f"a record must be a JSON object, got {type(record).__name__}")
-        top = _top_level_images(record)
+        top = {kind: _top_level(record, kind) for kind in _PLACEHOLDERS}
         record, part_refs = _content_parts_to_text(record)
-        if top and part_refs:
-            raise ValueError("the record names images both in content parts and in a top-level list; use one")
+        for kind in _PLACEHOLDERS:
+            if top[kind] and part_refs[kind]:
+                raise ValueError(
+                    f"the record names {kind} both in content parts and in a top-level list; use one"
+                )
     except (TypeError, ValueError) as error:
         raise ChatFormatError(f"{source}: {error}" if source else str(error)) from None
-    return VLMRecord(parse_record(record, source=source), part_refs or top)
+    refs = {kind: part_refs[kind] or top[kind] for kind in _PLACEHOLDERS}
+    return VLMRecord(parse_record(record, source=source), refs["images"], refs["videos"])
 
 
 def resolve_image(ref: str, root: Path) -> ImageSource:
@@ -159,26 +180,27 @@ def resolve_image(ref: str, root: Path) -> ImageSource:
     return ImageSource(ref, path=root / ref)
 
 
-def _top_level_images(record: dict[str, Any]) -> list[str]:
-    images = record.get("images", record.get("image"))
-    if images in (None, "", []):
+def _top_level(record: dict[str, Any], kind: str) -> list[str]:
+    """The references of the top-level ``kind`` (``images`` / ``videos``) list, or of its singular key."""
+    refs = record.get(kind, record.get(kind.removesuffix("s")))
+    if refs in (None, "", []):
         return []
-    images = [images] if isinstance(images, str) else images
-    if not isinstance(images, list):
-        raise TypeError(f"images must be a path or a list of paths, got {type(images).__name__}")
-    for k, ref in enumerate(images):
+    refs = [refs] if isinstance(refs, str) else refs
+    if not isinstance(refs, list):
+        raise TypeError(f"{kind} must be a path or a list of paths, got {type(refs).__name__}")
+    for k, ref in enumerate(refs):
         if not isinstance(ref, str) or not ref:
-            raise TypeError(f"images[{k}] must be a non-empty path string, got {ref!r}")
-    return images
+            raise TypeError(f"{kind}[{k}] must be a non-empty path string, got {ref!r}")
+    return refs
 
 
-def _content_parts_to_text(record: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
-    """The record with each message's content parts joined into text (images as placeholders), and the image
-    references the parts carry."""
+def _content_parts_to_text(record: dict[str, Any]) -> tuple[dict[str, Any], dict[str, list[str]]]:
+    """The record with each message's content parts joined into text (images and videos as placeholders), and the
+    references the parts carry, by kind (``images``, ``videos``)."""
+    refs: dict[str, list[str]] = {kind: [] for kind in _PLACEHOLDERS}
     messages = record.get("messages")
     if not isinstance(messages, list):
-        return record, []
-    refs: list[str] = []
+        return record, refs
     out = []
     for k, message in enumerate(messages):
         content = message.get("content") if isinstance(message, dict) else None
@@ -188,22 +210,26 @@ def _content_parts_to_text(record: dict[str, Any]) -> tuple[dict[str, Any], list
     return {**record, "messages": out}, refs
 
 
-def _part_text(part: Any, where: str, refs: list[str]) -> str:
+def _part_text(part: Any, where: str, refs: dict[str, list[str]]) -> str:
     if not isinstance(part, dict) or "type" not in part:
         raise TypeError(f"{where}: a content part must be an object with a 'type'")
     if part["type"] == "text":
         if not isinstance(part.get("text"), str):
             raise TypeError(f"{where}: a text part needs a 'text' string")
         return part["text"]
-    if part["type"] not in _IMAGE_PARTS:
+    if part["type"] not in _MEDIA_PARTS:
         raise ValueError(
-            f"{where}: unsupported content part type {part['type']!r}; use text, image or image_url"
+            f"{where}: unsupported content part type {part['type']!r}; use text, {', '.join(_MEDIA_PARTS)}"
         )
+    kind = _MEDIA_PARTS[part["type"]]
     ref = part.get(part["type"])
     if isinstance(ref, dict):
         ref = ref.get("url")
     if ref is not None:
         if not isinstance(ref, str) or not ref:
-            raise TypeError(f"{where}: an {part['type']} part's reference must be a non-empty string")
-        refs.append(ref)
-    return IMAGE_PLACEHOLDER
+            raise TypeError(
+                f"{where}: a {part['type']} part's reference must be a non-empty string (a video given as a list "
+                "of frame images is not supported: write it as a video file)"
+            )
+        refs[kind].append(ref)
+    return _PLACEHOLDERS[kind]

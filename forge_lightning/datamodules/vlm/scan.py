@@ -1,10 +1,11 @@
 """The pre-scan of vision-language data at setup: every record is parsed, its images' headers read and verified
-(no full decode) and its text encoded, so that bad input is found before training, not in the middle of it.
+(no full decode), its videos' headers probed and its text encoded, so that bad input is found before training, not
+in the middle of it.
 
 Each bad record is named by ``file:line`` (``file[index]`` in a ``.json`` list, ``shard.tar:key`` in a shard) and
 a reason; it is skipped and
-counted, or raised as a :class:`BadSampleError`. Each kept sample keeps its tokens, image sizes, training length and
-patch count (what packing and load balancing need).
+counted, or raised as a :class:`BadSampleError`. Each kept sample keeps its tokens, image sizes, video headers,
+training length and patch count (what packing and load balancing need).
 """
 
 from __future__ import annotations
@@ -12,14 +13,23 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
 from forge_lightning.datamodules.chat import ChatFormatError, Conversation
 from forge_lightning.datamodules.json_records import MalformedRecord
 from forge_lightning.datamodules.vlm.encoding import VLMEncoder
-from forge_lightning.datamodules.vlm.records import IMAGE_PLACEHOLDER, ImageSource, parse_vlm_record
+from forge_lightning.datamodules.vlm.records import (
+    IMAGE_PLACEHOLDER,
+    VIDEO_PLACEHOLDER,
+    ImageSource,
+    VLMRecord,
+    parse_vlm_record,
+)
 from forge_lightning.datamodules.vlm.sources import RawRecord, open_sources
+from forge_lightning.datamodules.vlm.video import VideoFile, probe_video, read_video
+from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs
 
 ON_BAD_SAMPLE = ("skip", "error")
 
@@ -30,6 +40,10 @@ IMAGE_COUNT = "image count mismatch"
 UNSUPPORTED_IMAGE = "unsupported image"
 MISSING_IMAGE = "missing image"
 CORRUPT_IMAGE = "corrupt image"
+VIDEO_COUNT = "video count mismatch"
+UNSUPPORTED_VIDEO = "unsupported video"
+MISSING_VIDEO = "missing video"
+CORRUPT_VIDEO = "corrupt video"
 TOO_LONG = "too long"
 NOTHING_TRAINED = "nothing to train"
 REASONS = (
@@ -39,6 +53,10 @@ REASONS = (
     UNSUPPORTED_IMAGE,
     MISSING_IMAGE,
     CORRUPT_IMAGE,
+    VIDEO_COUNT,
+    UNSUPPORTED_VIDEO,
+    MISSING_VIDEO,
+    CORRUPT_VIDEO,
     TOO_LONG,
     NOTHING_TRAINED,
 )
@@ -68,7 +86,8 @@ class VLMSample:
         trainable: per-token loss flags.
         images: where its images are, in order.
         sizes: ``(width, height)`` of each image.
-        num_patches: vision-encoder patches of all its images.
+        num_patches: vision-encoder patches of all its images and videos.
+        videos: its videos with their headers, in order.
     """
 
     source: str
@@ -78,6 +97,7 @@ class VLMSample:
     images: list[ImageSource]
     sizes: list[tuple[int, int]]
     num_patches: int
+    videos: list[VideoFile] = field(default_factory=list)
 
     @property
     def length(self) -> int:
@@ -95,6 +115,7 @@ class ScanReport:
         kept: records kept as samples.
         tokens: training positions of the kept samples, vision tokens included.
         images: images of the kept samples.
+        videos: videos of the kept samples.
         skipped: the messages of the left-out records, by reason (one of :data:`REASONS`).
     """
 
@@ -103,13 +124,14 @@ class ScanReport:
     kept: int = 0
     tokens: int = 0
     images: int = 0
+    videos: int = 0
     skipped: dict[str, list[str]] = field(default_factory=dict)
 
     def describe(self) -> str:
         """One line for the log, naming the first record of each reason."""
         line = (
             f"VLM data {', '.join(self.files)}: {self.kept} of {self.records} samples kept "
-            f"({self.tokens} tokens, {self.images} images)"
+            f"({self.tokens} tokens, {self.images} images{f', {self.videos} videos' if self.videos else ''})"
         )
         reasons = [r for r in REASONS if self.skipped.get(r)]
         if reasons:
@@ -163,6 +185,7 @@ def scan_files(
             report.kept += 1
             report.tokens += sample.length
             report.images += len(sample.images)
+            report.videos += len(sample.videos)
     return samples, report
 
 
@@ -177,39 +200,96 @@ def _scan_record(raw: RawRecord, encoder: VLMEncoder, seq_length: int, verify_pi
     conversation = parsed.conversation
     if not conversation.assistant_turns:
         raise BadSampleError(NO_ASSISTANT, f"{source}: the conversation has no assistant turn to train on")
-    if parsed.num_placeholders != len(parsed.image_refs):
-        raise BadSampleError(
-            IMAGE_COUNT,
-            f"{source}: {parsed.num_placeholders} {IMAGE_PLACEHOLDER} placeholder(s) in the text but "
-            f"{len(parsed.image_refs)} image(s)",
-        )
-    token = encoder.vision.image_token
-    if any(
-        token in str(m.get("content") or "").replace(IMAGE_PLACEHOLDER, "") for m in conversation.messages
-    ):
-        raise BadSampleError(
-            IMAGE_COUNT,
-            f"{source}: the text holds the image token {token!r} itself; mark images with {IMAGE_PLACEHOLDER}",
-        )
+    _check_counts(parsed, encoder, source)
     images = [_resolve(source, ref, raw) for ref in parsed.image_refs]
     sizes = [_probe(source, image, verify_pixels) for image in images]
     try:
         num_patches = sum(encoder.vision.num_patches(size) for size in sizes)
     except ValueError as error:  # e.g. an aspect ratio smart_resize refuses
         raise BadSampleError(UNSUPPORTED_IMAGE, f"{source}: {error}") from None
+    videos = [_scan_video(source, ref, raw, encoder, verify_pixels) for ref in parsed.video_refs]
+    if videos:
+        num_patches += sum(cast(VideoInputs, encoder.vision).video_num_patches(v.info) for v in videos)
     try:
-        encoded = encoder.encode(conversation, sizes)
+        encoded = encoder.encode(conversation, sizes, [v.info for v in videos])
     except ValueError as error:  # the template cannot render it (the message names the source)
         raise BadSampleError(MALFORMED, str(error)) from None
     length = len(encoded.tokens) - 1
     if length > seq_length:
         raise BadSampleError(
-            TOO_LONG, f"{source}: {length} tokens after image expansion > seq_length {seq_length}"
+            TOO_LONG, f"{source}: {length} tokens after image / video expansion > seq_length {seq_length}"
         )
     if not encoded.trainable[1:].any():  # the first token is never a target
         raise BadSampleError(NOTHING_TRAINED, f"{source}: no token left to train on (empty answers?)")
     images = [image.lazy() for image in images]
-    return VLMSample(source, conversation, encoded.tokens, encoded.trainable, images, sizes, num_patches)
+    return VLMSample(
+        source, conversation, encoded.tokens, encoded.trainable, images, sizes, num_patches, videos
+    )
+
+
+def _check_counts(parsed: VLMRecord, encoder: VLMEncoder, source: str) -> None:
+    """Placeholders against references, per kind; no vision token written as text; videos only where taken."""
+    vision = encoder.vision
+    if parsed.video_refs or parsed.count(VIDEO_PLACEHOLDER):
+        if vision.video_token is None:
+            raise BadSampleError(
+                UNSUPPORTED_VIDEO, f"{source}: the record has videos but this processor takes images only"
+            )
+        if vision.video_token_id is None:
+            raise BadSampleError(
+                UNSUPPORTED_VIDEO,
+                f"{source}: the record has videos but the tokenizer lacks the special token {vision.video_token} "
+                "that videos are written with: use the tokenizer of the model being trained",
+            )
+    kinds = [
+        (IMAGE_COUNT, "image", IMAGE_PLACEHOLDER, parsed.image_refs, vision.image_token),
+        (VIDEO_COUNT, "video", VIDEO_PLACEHOLDER, parsed.video_refs, vision.video_token),
+    ]
+    for reason, kind, placeholder, refs, token in kinds:
+        if parsed.count(placeholder) != len(refs):
+            raise BadSampleError(
+                reason,
+                f"{source}: {parsed.count(placeholder)} {placeholder} placeholder(s) in the text but "
+                f"{len(refs)} {kind}(s)",
+            )
+        texts = (str(m.get("content") or "").replace(placeholder, "") for m in parsed.conversation.messages)
+        if token is not None and any(token in text for text in texts):
+            raise BadSampleError(
+                reason,
+                f"{source}: the text holds the {kind} token {token!r} itself; mark {kind}s with {placeholder}",
+            )
+
+
+def _scan_video(source: str, ref: str, raw: RawRecord, encoder: VLMEncoder, verify_pixels: bool) -> VideoFile:
+    """The video ``ref`` of a record with its header, checked to give the sampled frames."""
+    try:
+        path = raw.resolve(ref).path
+    except FileNotFoundError as error:
+        raise BadSampleError(MISSING_VIDEO, f"{source}: {error}") from None
+    except ValueError as error:
+        raise BadSampleError(UNSUPPORTED_VIDEO, f"{source}: {error}") from None
+    if path is None:
+        raise BadSampleError(
+            UNSUPPORTED_VIDEO,
+            f"{source}: {ref}: videos are decoded from files; give a path (a shard member or data: URL is not one)",
+        )
+    try:
+        info = probe_video(path)
+    except FileNotFoundError as error:
+        raise BadSampleError(MISSING_VIDEO, f"{source}: {ref}: {error}") from None
+    except ValueError as error:
+        raise BadSampleError(CORRUPT_VIDEO, f"{source}: {ref}: {error}") from None
+    vision = cast(VideoInputs, encoder.vision)
+    try:
+        vision.video_grid(info)
+    except ValueError as error:  # too few frames for the sampling, or an aspect ratio smart_resize refuses
+        raise BadSampleError(UNSUPPORTED_VIDEO, f"{source}: {ref}: {error}") from None
+    if verify_pixels:
+        try:
+            read_video(path, vision.sampling)
+        except Exception as error:  # FFmpeg's errors and missing frames alike
+            raise BadSampleError(CORRUPT_VIDEO, f"{source}: {ref} cannot be decoded ({error})") from None
+    return VideoFile(ref, path, info)
 
 
 def _resolve(source: str, ref: str, raw: RawRecord) -> ImageSource:

@@ -6,7 +6,7 @@ and their decoding with the project's PyAV frame reader (``datamodules/lerobot/v
       ─ Qwen2VLImageProcessor.preprocess_videos (smart_resize at the video pixel limits, temporal patches)
 
 ``second_per_grid_ts`` (seconds one temporal patch spans, for Qwen2.5-VL's M-RoPE) is ``temporal_patch_size`` over
-the sampling rate, as transformers' Qwen2.5-VL processor writes it.
+the rate the frames were sampled at, as transformers' Qwen2.5-VL processor writes it.
 """
 
 from __future__ import annotations
@@ -91,9 +91,26 @@ class VideoSampling:
         )
 
     def seconds_per_grid(self, info: VideoInfo) -> float:
-        """Seconds of video one temporal patch spans: ``temporal_patch_size`` over the sampling rate."""
-        rate = self.fps if self.num_frames is None else len(self.indices(info)) * info.fps / info.num_frames
+        """Seconds of video one temporal patch spans: ``temporal_patch_size`` over the rate the frames were
+        sampled at (``sampled / num_frames * fps``: transformers' ``VideoMetadata.sampled_fps``, which differs from
+        ``fps`` where the count was rounded or bounded)."""
+        rate = len(self.indices(info)) * info.fps / info.num_frames
         return self.temporal_patch_size / rate
+
+
+@dataclass(frozen=True)
+class VideoFile:
+    """A video of a record, as the scan found it.
+
+    Args:
+        ref: the reference as the record writes it, for messages.
+        path: the resolved file.
+        info: what its header said at the scan.
+    """
+
+    ref: str
+    path: Path
+    info: VideoInfo
 
 
 def probe_video(path: str | Path) -> VideoInfo:
@@ -129,9 +146,15 @@ def read_video(path: str | Path, sampling: VideoSampling, frames: VideoFrames | 
     Args:
         path: the video file.
         sampling: which frames.
-        frames: the decoder cache to use (one per process; a new one by default).
+        frames: the decoder cache to use (one per process, kept open); by default a new one, closed on return.
     """
     info = probe_video(path)
     decoder = frames or VideoFrames("pyav")
-    frames_T3HW = decoder.frames(path, sampling.indices(info), info.fps)
+    try:
+        frames_T3HW = decoder.frames(path, sampling.indices(info), info.fps)
+    finally:
+        # A PyAV container is in a reference cycle, so only the garbage collector would free one left open: in a
+        # forked loader worker that collection waits forever on the parent's decoding threads. Close it here.
+        if frames is None:
+            decoder.close()
     return frames_T3HW.permute(0, 2, 3, 1).numpy()
