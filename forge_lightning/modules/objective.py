@@ -116,3 +116,38 @@ class GlobalBatchLoss:
         mean = (sums[0] / sums[1]).float()
         module.log(f"{prefix}/loss", mean, prog_bar=True, rank_zero_only=True)
         return mean
+
+
+class TokenLossSteps:
+    """The evaluation steps and the step-loss hook of a LightningModule whose loss is a sum over trainable tokens
+    (``loss_sum(batch) -> (sum, count)``) normalised by its :class:`GlobalBatchLoss` (``objective``): validation
+    and test accumulate the sums and log ``<split>/loss`` (and what :meth:`_eval_log` adds) at the epoch's end."""
+
+    objective: GlobalBatchLoss
+
+    def loss_sum(self, batch: dict[str, Any]) -> tuple[Tensor, Tensor]:
+        """(sum of per-token losses, number of trainable tokens) of a micro-batch."""
+        raise NotImplementedError
+
+    def step_loss_sums(self) -> Tensor | None:
+        """This rank's ``[loss sum, tokens]`` of the coming optimizer step (:class:`~forge_lightning.contracts.StepLoss`)."""
+        return self.objective.pending_train()
+
+    def _eval_step(self, batch: dict[str, Any]) -> None:
+        loss_sum, tokens = self.loss_sum(batch)
+        self.objective.record_eval(torch.stack([loss_sum.detach().double(), tokens.double()]))
+
+    def _eval_log(self, prefix: str) -> Tensor | None:
+        return self.objective.log_eval(self, prefix)
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_log("val")
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_log("test")

@@ -8,6 +8,7 @@ from forge_lightning.performance.config import (
     PerformanceConfig,
     ResolvedPerformance,
     resolve,
+    resolve_for,
 )
 from forge_lightning.performance.switches import changed_switches, check_applied, switch_names
 from forge_lightning.performance.transforms import (
@@ -40,5 +41,6 @@ __all__ = [
     "mark_applied",
     "module_switches",
     "resolve",
+    "resolve_for",
     "switch_names",
 ]

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -178,6 +178,16 @@ class ResolvedPerformance:
     selective_save_ops: tuple[str, ...]
     fp8: Float8Config | None
     optimizer: str
+
+
+def resolve_for(module: Any, device: torch.device | str) -> ResolvedPerformance:
+    """:func:`resolve` of ``module.performance`` for ``device``, cached on the module per device type (a module
+    asks at every step, e.g. for its loss kernel)."""
+    cache = module.__dict__.setdefault("_resolved_performance", {})
+    kind = torch.device(device).type
+    if kind not in cache:
+        cache[kind] = resolve(module.performance, device)
+    return cache[kind]
 
 
 def resolve(perf: PerformanceConfig, device: torch.device | str) -> ResolvedPerformance:

@@ -24,10 +24,10 @@ from forge_lightning.modules.llm.hf import load_pretrained, save_pretrained
 from forge_lightning.modules.llm.loss import LMLoss
 from forge_lightning.modules.llm.model import DecoderLM
 from forge_lightning.modules.lora import LoRAConfig, apply_lora, save_adapter
-from forge_lightning.modules.objective import GlobalBatchLoss
+from forge_lightning.modules.objective import GlobalBatchLoss, TokenLossSteps
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
 from forge_lightning.optim.clipping import UnscaledGradientClipping
-from forge_lightning.performance import PerformanceConfig, ResolvedPerformance, configure_performance, resolve
+from forge_lightning.performance import PerformanceConfig, configure_performance, resolve_for
 
 if TYPE_CHECKING:
     from forge_lightning.contracts import MegatronBuild
@@ -55,7 +55,7 @@ def _as(cls: type, value: Any) -> Any:
     return cls(**value) if isinstance(value, dict) else value
 
 
-class CausalLM(UnscaledGradientClipping, pl.LightningModule):
+class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
     """Decoder-only language model (Llama / Qwen2 / Qwen3 / Mistral style) built from a Hugging Face config.
 
     The loss (:class:`~forge_lightning.modules.llm.loss.LMLoss`) is the mean cross-entropy over all trainable tokens
@@ -181,13 +181,6 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     def configure_model(self) -> None:
         configure_performance(self)
 
-    def _resolved_performance(self, device: torch.device) -> ResolvedPerformance:
-        """The performance settings with every ``auto`` decided for ``device`` (cached per device type)."""
-        cache = self.__dict__.setdefault("_resolved", {})
-        if device.type not in cache:
-            cache[device.type] = resolve(self.performance, device)
-        return cache[device.type]
-
     def parallel_plan(self) -> ParallelPlan:
         """One component, ``llm``: its decoder layers are the repeated blocks; the model gives its TP plan and the
         sizes a TP degree must divide."""
@@ -222,9 +215,7 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     def lm_loss(self, device: torch.device) -> LMLoss:
         """The loss with the kernel settings resolved for ``device`` (``performance.kernels.cross_entropy``,
         ``performance.fp8.lm_head`` / ``fast_accum``)."""
-        return LMLoss.for_run(
-            self._resolved_performance(device), ignore_index=self.ignore_index, z_loss=self.z_loss
-        )
+        return LMLoss.for_run(resolve_for(self, device), ignore_index=self.ignore_index, z_loss=self.z_loss)
 
     # ----- forward and loss ----------------------------------------------------------------------------------
     @override
@@ -280,10 +271,6 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
         )
         return moe.aux_loss_coef * router.aux_loss + moe.z_loss_coef * router.z_loss
 
-    def step_loss_sums(self) -> torch.Tensor | None:
-        """This rank's ``[loss sum, tokens]`` of the coming optimizer step (:class:`~forge_lightning.contracts.StepLoss`)."""
-        return self.objective.pending_train()
-
     def optimizer_step_skipped(self) -> None:
         """The coming step is left out (:class:`~forge_lightning.contracts.SkippedStepAware`): so is its expert-bias
         update."""
@@ -307,31 +294,12 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
             bias = block.gate.e_score_correction_bias
             bias.add_(step_E.to(bias.device, bias.dtype))
 
-    # ----- evaluation ----------------------------------------------------------------------------------------
-    def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
-        loss_sum, tokens = self.loss_sum(batch)
-        self.objective.record_eval(torch.stack([loss_sum.detach().double(), tokens.double()]))
-
-    def _eval_log(self, prefix: str) -> None:
+    # ----- evaluation (steps: TokenLossSteps) ---------------------------------------------------------------
+    def _eval_log(self, prefix: str) -> torch.Tensor | None:
         loss = self.objective.log_eval(self, prefix)
         if loss is not None:
             self.log(f"{prefix}/ppl", loss.exp(), rank_zero_only=True)
-
-    @override
-    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch)
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        self._eval_log("val")
-
-    @override
-    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self._eval_step(batch)
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        self._eval_log("test")
+        return loss
 
     @override
     def predict_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
@@ -351,7 +319,7 @@ class CausalLM(UnscaledGradientClipping, pl.LightningModule):
     @override
     def configure_optimizers(self) -> dict[str, Any]:
         device = next(self.model.parameters()).device
-        implementation = self._resolved_performance(device).optimizer
+        implementation = resolve_for(self, device).optimizer
         optimizer = build_optimizer(self.model, self.optimizer_config, implementation=implementation)
         total = self.scheduler_config.total_steps or int(self.trainer.estimated_stepping_batches)
         scheduler = build_scheduler(optimizer, self.scheduler_config, total)

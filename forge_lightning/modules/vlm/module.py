@@ -46,7 +46,7 @@ from forge_lightning.modules.llm.generation import generate
 from forge_lightning.modules.llm.loss import LMLoss
 from forge_lightning.modules.llm.module import GenerationConfig
 from forge_lightning.modules.lora import LoRAConfig, apply_lora, merged_state_dict, save_adapter
-from forge_lightning.modules.objective import GlobalBatchLoss
+from forge_lightning.modules.objective import GlobalBatchLoss, TokenLossSteps
 from forge_lightning.modules.vlm.compose import build_vlm
 from forge_lightning.modules.vlm.config import VLMConfig
 from forge_lightning.modules.vlm.hf import from_pretrained, save_pretrained
@@ -60,7 +60,7 @@ from forge_lightning.optim import (
     optimizer_for_groups,
 )
 from forge_lightning.optim.clipping import UnscaledGradientClipping
-from forge_lightning.performance import PerformanceConfig, ResolvedPerformance, configure_performance, resolve
+from forge_lightning.performance import PerformanceConfig, configure_performance, resolve_for
 
 if TYPE_CHECKING:
     from forge_lightning.modules.llm.megatron import DecoderTwin
@@ -148,7 +148,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
+class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
     """Vision-language model training (SFT of Qwen2.5-VL, LLaVA or a composition of an encoder and an LLM).
 
     Args:
@@ -297,12 +297,6 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
         if self._trainer is not None:  # ``load_from_checkpoint`` calls it without a trainer: nothing to apply
             configure_performance(self)
 
-    def _resolved_performance(self, device: torch.device) -> ResolvedPerformance:
-        cache = self.__dict__.setdefault("_resolved", {})
-        if device.type not in cache:
-            cache[device.type] = resolve(self.performance, device)
-        return cache[device.type]
-
     def parallel_plan(self) -> ParallelPlan:
         """Components ``vision`` (its transformer blocks), ``projector`` (no blocks) and ``llm`` (its decoder layers,
         TP plan and the sizes a TP degree must divide), each frozen and checkpointed / compiled as its settings
@@ -350,7 +344,7 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
         """(sum of per-token losses, number of trainable tokens) of a micro-batch."""
         hidden_BSH = self.model.hidden_states(batch["input_ids"], **self.model_inputs(batch))
         loss = LMLoss.for_run(
-            self._resolved_performance(hidden_BSH.device), ignore_index=self.ignore_index, z_loss=self.z_loss
+            resolve_for(self, hidden_BSH.device), ignore_index=self.ignore_index, z_loss=self.z_loss
         )
         return loss(
             hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
@@ -363,35 +357,11 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
         loss_sum, tokens = self.loss_sum(batch)
         return self.objective.training_loss(self, batch, loss_sum, tokens)
 
-    def step_loss_sums(self) -> Tensor | None:
-        """This rank's ``[loss sum, tokens]`` of the coming optimizer step (:class:`~forge_lightning.contracts.StepLoss`)."""
-        return self.objective.pending_train()
-
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.objective.log_train(self)
 
     # ----- evaluation and generation ---------------------------------------------------------------------------
-    def _eval_step(self, batch: Mapping[str, Any]) -> None:
-        loss_sum, tokens = self.loss_sum(batch)
-        self.objective.record_eval(torch.stack([loss_sum.detach().double(), tokens.double()]))
-
-    @override
-    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._eval_step(batch)
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        self.objective.log_eval(self, "val")
-
-    @override
-    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
-        self._eval_step(batch)
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        self.objective.log_eval(self, "test")
-
     @override
     def predict_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         cfg = self.generation_config
@@ -427,7 +397,7 @@ class VisionLanguageModule(UnscaledGradientClipping, pl.LightningModule):
     def configure_optimizers(self) -> dict[str, Any]:
         rates = {name: s.lr for name, s in self.components.items() if s.lr is not None}
         groups = component_param_groups(self.parallel_plan(), self.optimizer_config, rates)
-        implementation = self._resolved_performance(self.device).optimizer
+        implementation = resolve_for(self, self.device).optimizer
         optimizer = optimizer_for_groups(groups, self.optimizer_config, implementation=implementation)
         total = self.scheduler_config.total_steps or int(self.trainer.estimated_stepping_batches)
         scheduler = build_scheduler(optimizer, self.scheduler_config, total)

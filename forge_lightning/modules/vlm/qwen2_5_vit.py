@@ -132,15 +132,9 @@ class Qwen25VisionConfig(QwenViTShape):
 
     def __post_init__(self) -> None:
         check_vit_shape(self, _POSITIVE_INTS)
-        self.full_attention_layers = list(self.full_attention_layers)
-        bad = [
-            i for i in self.full_attention_layers if not isinstance(i, int) or not 0 <= i < self.num_layers
-        ]
-        if bad:
-            raise ValueError(
-                f"vision.full_attention_layers ({self.full_attention_layers}) must be block indices in "
-                f"[0, {self.num_layers}) (vision.num_layers is {self.num_layers}); out of range: {bad}"
-            )
+        self.full_attention_layers = check_block_indices(
+            self.full_attention_layers, self.num_layers, "full_attention_layers"
+        )
         if self.window_units < 1:
             raise ValueError(
                 f"vision.window_size ({self.window_size}) must cover at least one merged token: "
@@ -204,6 +198,22 @@ def check_vit_shape(config: Any, positive_ints: tuple[str, ...]) -> None:
         raise ValueError(f"vision.rope_theta ({config.rope_theta}) must be positive")
     if config.initializer_range < 0:
         raise ValueError(f"vision.initializer_range ({config.initializer_range}) must be non-negative")
+
+
+def check_block_indices(indices: Any, num_layers: int, field: str) -> list[int]:
+    """``indices`` as a list, if they are distinct block indices in ``[0, num_layers)``.
+
+    Raises:
+        ValueError: naming ``vision.<field>``, the range and the indices out of it.
+    """
+    indices = list(indices)
+    bad = [i for i in indices if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < num_layers]
+    if bad or len(set(indices)) != len(indices):
+        raise ValueError(
+            f"vision.{field} ({indices}) must be distinct block indices in [0, {num_layers}) (vision.num_layers "
+            f"is {num_layers}); out of range: {bad}"
+        )
+    return indices
 
 
 def vit_fields_from_hf(

@@ -41,6 +41,7 @@ from forge_lightning.modules.vlm.qwen2_5_vit import (
     PatchEmbed,
     QwenViTShape,
     VisionBlock,
+    check_block_indices,
     check_vit_shape,
     vit_fields_from_hf,
 )
@@ -117,13 +118,9 @@ class Qwen3VisionConfig(QwenViTShape):
 
     def __post_init__(self) -> None:
         check_vit_shape(self, _POSITIVE_INTS)
-        self.deepstack_layers = list(self.deepstack_layers)
-        bad = [i for i in self.deepstack_layers if not isinstance(i, int) or not 0 <= i < self.num_layers]
-        if bad or len(set(self.deepstack_layers)) != len(self.deepstack_layers):
-            raise ValueError(
-                f"vision.deepstack_layers ({self.deepstack_layers}) must be distinct block indices in "
-                f"[0, {self.num_layers}) (vision.num_layers is {self.num_layers}); out of range: {bad}"
-            )
+        self.deepstack_layers = check_block_indices(
+            self.deepstack_layers, self.num_layers, "deepstack_layers"
+        )
         if math.isqrt(self.num_position_embeddings) ** 2 != self.num_position_embeddings:
             raise ValueError(
                 f"vision.num_position_embeddings ({self.num_position_embeddings}) must be a square number: the "
