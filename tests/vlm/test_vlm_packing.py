@@ -244,6 +244,12 @@ def test_module_loss_of_packed_rows_equals_the_padded_batch(qwen, tmp_path) -> N
     assert packed_tokens == padded_tokens == sum(len(s.ids) - 1 for s in samples)
     torch.testing.assert_close(packed_sum, padded_sum, atol=TOL * padded_tokens, rtol=TOL)
     assert abs(float(without_documents - padded_sum)) > 1e-3  # the check can tell documents from one sequence
+    # The throughput monitor's counts: the row's padding (3 tokens, a document of its own) is neither tokens nor a
+    # sample, so the packed row counts what the padded batch does.
+    packed_stats, padded_stats = module.batch_stats(packed), module.batch_stats(padded)
+    assert packed_stats["samples"] == padded_stats["samples"] == len(samples)
+    assert packed_stats["tokens"] == padded_stats["tokens"] == sum(len(s.ids) for s in samples)
+    assert packed_stats["flops"] == pytest.approx(padded_stats["flops"])
 
 
 # ----- LLaVA (SigLIP, 1-D positions) -------------------------------------------------------------------------------

@@ -406,14 +406,14 @@ class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.Lightnin
     def batch_stats(self, batch: Mapping[str, Any]) -> dict[str, float]:
         """Samples, real (non-padding) tokens and training FLOPs of a micro-batch, the vision encoder's included.
 
-        The LLM's attention FLOPs are those of each row's real length (or each document of a packed row), not of
-        the padded square; the encoder's are the tower's (see :meth:`~forge_lightning.modules.vlm.towers.VisionTower.training_flops`).
+        The LLM's attention FLOPs are those of each row's real length (or each sample of a packed row, its padding
+        left out), not of the padded square; the encoder's are the tower's (see :meth:`~forge_lightning.modules.vlm.towers.VisionTower.training_flops`).
         """
         input_ids = batch["input_ids"]
         mask = batch.get("attention_mask")
         document_ids = batch.get("document_ids")
         if document_ids is not None:
-            lengths = document_lengths(document_ids).tolist()
+            lengths = self._trained_document_lengths(document_ids, batch["labels"])
         elif mask is not None:
             lengths = [int(n) for n in mask.sum(dim=1).tolist()]
         else:
@@ -431,6 +431,18 @@ class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.Lightnin
                 flops += tower.training_flops(self.model.vision, pixels, grid)
         samples = len(lengths) if document_ids is not None else input_ids.shape[0]
         return {"samples": samples, "tokens": tokens, "flops": flops}
+
+    def _trained_document_lengths(self, document_ids: Tensor, labels: Tensor) -> list[int]:
+        """Token counts of a packed batch's documents that train at least one token: every sample does (the scan
+        refuses one without an assistant turn), a row's padding (a document of its own) does not."""
+        counts = document_lengths(document_ids)
+        B, S = document_ids.shape
+        rows_B1 = torch.arange(B, device=document_ids.device)[:, None] * (S + 1)
+        _, index = torch.unique_consecutive((document_ids + rows_B1).flatten(), return_inverse=True)
+        trained = torch.zeros_like(counts).index_add_(
+            0, index, (labels.flatten() != self.ignore_index).long()
+        )
+        return counts[trained > 0].tolist()
 
     @override
     def setup(self, stage: str) -> None:
