@@ -385,10 +385,10 @@ class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.Lightnin
         media = {k: kwargs.pop(k) for k in MODEL_INPUTS if k in kwargs}
         media = {k: v for k, v in media.items() if v is not None}
         grids = {k: media.get(k) for k in ("image_grid_thw", "video_grid_thw", "second_per_grid_ts")}
-        _, deltas_B1 = self.model.position_ids(input_ids, None, *grids.values())
+        positions, deltas_B1 = self.model.position_ids(input_ids, None, *grids.values())
 
         def prefill(kv_cache: list[Any]) -> Tensor:
-            return self.model.hidden_states(input_ids, kv_cache=kv_cache, **media)
+            return self.model.hidden_states(input_ids, position_ids=positions, kv_cache=kv_cache, **media)
 
         return generate(self.model.llm, input_ids, prefill=prefill, position_deltas=deltas_B1, **kwargs)
 
