@@ -19,7 +19,8 @@ patches by our ``Qwen2VLImageProcessor`` (so the grids are real), then question 
   strategies apply them (compiled blocks and cuDNN-first SDPA on CUDA), fused AdamW.
 - ``ours-packed``: ``ours-padded`` on the step's samples packed into rows of ``--seq-length`` tokens
   (``VLMPackedDataset``: ``document_ids`` and per-sample M-RoPE ``position_ids``); the LLM and the vision tower
-  attend per document with ``--attention`` (``auto``: FlexAttention on CUDA).
+  attend per document with ``--attention`` (default ``varlen`` on CUDA: the encoder's shapes change with every
+  image grid, which FlexAttention, compiled for static shapes, does not suit).
 
 Every row trains the same real tokens per step, so the loss of a step is the same quantity on every row (the mean
 over the step's answer tokens). FLOPs per step come from ``VisionLanguageModule.batch_stats`` of the step's padded
@@ -491,8 +492,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="image width and height range in pixels (default 224 896)")  # fmt: skip
     parser.add_argument("--text-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                         help="text tokens per sample (default 64 1024)")  # fmt: skip
-    parser.add_argument("--attention", default="auto", choices=("auto", "sdpa", "flex", "varlen"),
-                        help="our packed-attention backend (LLM packed rows, vision windows)")  # fmt: skip
+    parser.add_argument("--attention", default=None, choices=("auto", "sdpa", "flex", "varlen"),
+                        help="our packed-attention backend (LLM packed rows, vision windows); default varlen on "
+                        "CUDA (the encoder's shapes change with every image grid), auto elsewhere")  # fmt: skip
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="ours: no torch.compile")
     parser.add_argument(
         "--loss-steps", type=int, default=0, help="compare losses over this many steps instead"
@@ -520,6 +522,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("steps", "samples_per_step", "seq_length"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
+    if args.attention is None:
+        args.attention = "varlen" if args.device.startswith("cuda") else "auto"
     return args
 
 
