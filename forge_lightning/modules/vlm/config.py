@@ -170,7 +170,7 @@ class VLMConfig:
                 f"model takes {want} multimodal RoPE, not {got} (set mrope_interleaved: "
                 f"{str(family.mrope_interleaved).lower()})"
             )
-        deepstack = getattr(self.vision, "deepstack_layers", [])
+        deepstack = self.vision.deepstack_layers if isinstance(self.vision, Qwen3VisionConfig) else []
         if len(deepstack) > self.llm.num_layers:
             raise ValueError(
                 f"vision.deepstack_layers ({deepstack}) feed {len(deepstack)} decoder layers, but llm.num_layers is "
