@@ -42,3 +42,9 @@ class VisionTextData(TextData, Protocol):
     def special_token_ids(self) -> dict[str, int]:
         """The image tokens' ids by the model config's field name (``image_token_id``, ...)."""
         ...
+
+    @property
+    def vision_settings(self) -> dict[str, float]:
+        """Other values the data was prepared with that the model config must agree with, by its field name
+        (``tokens_per_second``: the video positions of packed rows)."""
+        ...

@@ -278,3 +278,20 @@ def test_the_quickstart_recipe_trains_and_exports_through_the_cli(shapes: Path, 
     assert exports, "no HF export"
     hf = LlavaForConditionalGeneration.from_pretrained(exports[0].parent)
     assert hf.config.image_token_index == json.loads(exports[0].read_text())["image_token_index"]
+
+
+def test_the_datas_video_rate_must_be_the_models(tmp_path: Path) -> None:
+    """Packed rows take their video positions from the data module's tokens_per_second: a value other than the
+    model's is refused at setup, before any step."""
+    from vlm_pack_case import datamodule, hf_config, write_data
+
+    tokenizer, train = write_data(tmp_path)
+    data = datamodule(tokenizer, train, tokens_per_second=4.0)
+    assert data.vision_settings == {"tokens_per_second": 4.0}
+    Qwen2_5_VLForConditionalGeneration(hf_config(data)).save_pretrained(tmp_path / "hf")
+    module = VisionLanguageModule.from_pretrained(tmp_path / "hf")
+    assert module.config.tokens_per_second == 2
+    with pytest.raises(
+        ValueError, match=r"the model's tokens_per_second is 2.* but the data module's is 4.0"
+    ):
+        _trainer(tmp_path, 1).fit(module, datamodule=data)

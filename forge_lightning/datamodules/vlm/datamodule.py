@@ -201,6 +201,13 @@ class VLMDataModule(TokenDataModule):
         return self.vision.special_token_ids
 
     @property
+    def vision_settings(self) -> dict[str, float]:
+        """``tokens_per_second`` for ``qwen2_vl`` (the video positions packed rows get on the host): the model's
+        config must agree; nothing for ``fixed``."""
+        rate = self.vision.tokens_per_second
+        return {} if rate is None else {"tokens_per_second": rate}
+
+    @property
     def pad_id(self) -> int:
         """Token id used for padding (masked out by ``attention_mask``, never trained)."""
         return self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else 0

@@ -45,6 +45,10 @@ class VisionInputs(Protocol):
     video_token_id: int | None
     """Its id, or ``None`` where the inputs take no videos (or the tokenizer has no such token)."""
 
+    tokens_per_second: float | None
+    """Temporal positions per second of video the host-side positions use (``None`` where the inputs take no
+    videos); the model's config must agree."""
+
     @property
     def special_token_ids(self) -> dict[str, int]:
         """The special token ids the model must agree on, by their config names (``image_token_id`` ...)."""
@@ -335,6 +339,7 @@ class FixedResolutionVisionInputs:
     image_token = "<image>"
     video_token = None
     video_token_id = None
+    tokens_per_second = None
 
     def __init__(
         self,

@@ -469,6 +469,13 @@ class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.Lightnin
                     f"the model's {name} is {ours} but the tokenizer's token is {token_id}: set "
                     f"model.init_args.config.{name} to {token_id}, or use the model's own tokenizer"
                 )
+        for name, value in datamodule.vision_settings.items():
+            ours = getattr(self.config, name)
+            if ours is not None and ours != value:
+                raise ValueError(
+                    f"the model's {name} is {ours} but the data module's is {value}: set data.init_args.{name} to "
+                    f"{ours} (packed rows take their video positions from it)"
+                )
 
 
 def _config_of(config: str | Mapping[str, Any]) -> VLMConfig:
