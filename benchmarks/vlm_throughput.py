@@ -21,6 +21,16 @@ patches by our ``Qwen2VLImageProcessor`` (so the grids are real), then question 
   (``VLMPackedDataset``: ``document_ids`` and per-sample M-RoPE ``position_ids``); the LLM and the vision tower
   attend per document with ``--attention`` (default ``varlen`` on CUDA: the encoder's shapes change with every
   image grid, which FlexAttention, compiled for static shapes, does not suit).
+- ``forge-fit``: the product path, ``forge fit`` of ``configs/vlm/qwen2.5-vl-3b/sft_fsdp2.yaml`` on one device
+  with text records drawn like these samples (``benchmarks/vlm_fit_row.py`` says what it changes); compared on
+  real tokens/s (its token ids differ, so its loss is not comparable).
+
+Rows take options after a colon. ``transformers+liger:fp32`` keeps transformers' weights (and AdamW) in fp32 and
+computes under bf16 autocast, as ours do: the numerically like-for-like baseline of a loss comparison.
+``ours-packed:ac=selective,eager`` sets that row's activation checkpointing
+(``ac=none|selective|full``, default ``--activation-checkpointing``) and compilation (``eager``, or ``compile``
+on any device; default: the ``performance`` default, compiled on CUDA, unless ``--no-compile``) and attention
+(``attn=auto|sdpa|flex|varlen``, default ``--attention``), so one run can hold several variants.
 
 Every row trains the same real tokens per step, so the loss of a step is the same quantity on every row (the mean
 over the step's answer tokens). FLOPs per step come from ``VisionLanguageModule.batch_stats`` of the step's padded
@@ -28,7 +38,7 @@ batch: 6·N per real token, the LLM's attention over each sample's real length, 
 (windowed) count; MFU against 989 TFLOP/s. Peak memory is ``max_memory_allocated`` over the timed steps.
 
     python benchmarks/vlm_throughput.py --steps 10 --warmup 3 --samples-per-step 8 --seq-length 4096 \\
-        --rows transformers+liger ours-padded ours-packed
+        --rows transformers+liger ours-padded:ac=selective ours-packed:ac=selective ours-packed:ac=none forge-fit
 
 ``--loss-steps N`` instead trains the baseline and ours for N steps on identical inputs from the same initial
 weights (transformers' random init, saved in bf16 with ``save_pretrained`` and loaded by every row; ours loads
@@ -58,7 +68,11 @@ import harness  # this script's directory is on sys.path
 REPO = Path(__file__).resolve().parents[1]
 HF_ROWS = ("transformers+liger", "transformers")
 OUR_ROWS = ("ours-padded", "ours-packed")
-ROWS = (*HF_ROWS, *OUR_ROWS)
+FIT_ROW = "forge-fit"
+ROWS = (*HF_ROWS, *OUR_ROWS, FIT_ROW)
+# Per-row options of our rows, written `ours-packed:ac=selective,eager` (see parse_row).
+AC_CHOICES = ("none", "selective", "full")
+ATTENTION_CHOICES = ("auto", "sdpa", "flex", "varlen")
 # <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>, <|endoftext|> of the Qwen2-VL vocabulary.
 _QWEN_TOKENS = {
     "image_token_id": 151655,
@@ -278,23 +292,27 @@ def build_hf(
     from transformers import Qwen2_5_VLForConditionalGeneration
 
     liger = row == "transformers+liger" and _liger()
+    dtype = torch.float32 if args.fp32_weights else torch.bfloat16
     if args.loss_steps:
         init = _work_file(args, "init")
         model = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-            init, dtype=torch.bfloat16, attn_implementation="sdpa"
+            init, dtype=dtype, attn_implementation="sdpa"
         )
         model.to(args.device)
     else:
         with torch.device(args.device):
-            model = Qwen2_5_VLForConditionalGeneration._from_config(_hf_config(args), dtype=torch.bfloat16)
+            model = Qwen2_5_VLForConditionalGeneration._from_config(_hf_config(args), dtype=dtype)
     model.train()
+    autocast = torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16, enabled=args.fp32_weights)
 
     def loss_fn(batch: dict[str, Any]) -> Any:
         # Our labels come shifted (labels[i] is the target of position i); transformers takes them as shift_labels.
         inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")}
-        return model(**inputs, labels=batch["labels"], shift_labels=batch["labels"], use_cache=False).loss
+        with autocast:
+            return model(**inputs, labels=batch["labels"], shift_labels=batch["labels"], use_cache=False).loss
 
-    setting = "bf16 weights, SDPA, " + ("Liger kernels" if liger else "no Liger")
+    weights = "fp32 weights + bf16 autocast" if args.fp32_weights else "bf16 weights"
+    setting = f"{weights}, SDPA, " + ("Liger kernels" if liger else "no Liger")
     if row == "transformers+liger" and not liger:
         setting += " (liger-kernel not installed: plain transformers)"
     info = {"setting": setting, "liger": liger, "attention": f"sdpa ({model.config._attn_implementation})"}
@@ -314,8 +332,8 @@ def build_ours(
     performance: dict[str, Any] = {"attention": {"packed": args.attention}}
     if args.activation_checkpointing != "none":
         performance["activation_checkpointing"] = args.activation_checkpointing
-    if not args.compile:
-        performance["compile"] = False
+    if args.compile in (False, "always"):
+        performance["compile"] = args.compile == "always"
     if args.loss_steps:
         module = VisionLanguageModule.from_pretrained(_work_file(args, "init"), performance=performance)
         module.to(device=args.device, dtype=torch.float32)
@@ -329,12 +347,15 @@ def build_ours(
     module.train()
     apply_performance(module.parallel_plan(), module.performance, args.device)
     resolved = resolve(module.performance, args.device)
-    packed = resolve_attention_backend(args.attention, torch.device(args.device))
+    device = torch.device(args.device)
+    packed = resolve_attention_backend(args.attention, device)
+    vision = resolve_attention_backend(args.attention, device, varying_shapes=True)
     llm = f"packed {packed}" if row == "ours-packed" else "sdpa with the padding mask"
     sdpa = ", ".join(resolved.sdpa) if resolved.sdpa else "torch's default"
-    attention = f"LLM {llm}; vision {packed} per window; SDPA order {sdpa}"
+    attention = f"LLM {llm}; vision {vision} per window; SDPA order {sdpa}"
     compiled = "compiled blocks" if resolved.compile else "eager"
-    setting = f"fp32 masters + bf16 autocast, {compiled}, loss kernel {resolved.kernels['cross_entropy']}"
+    setting = f"fp32 masters + bf16 autocast, {compiled}, AC {args.activation_checkpointing}, "
+    setting += f"loss kernel {resolved.kernels['cross_entropy']}"
 
     def loss_fn(batch: dict[str, Any]) -> Any:
         with torch.autocast(torch.device(args.device).type, dtype=torch.bfloat16):
@@ -360,22 +381,64 @@ def _to(batch: dict[str, Any], device: str) -> dict[str, Any]:
     return {k: v.to(device) for k, v in batch.items()}
 
 
+def parse_row(row: str, args: argparse.Namespace) -> tuple[str, argparse.Namespace]:
+    """The row's name and ``args`` with its options applied (``ours-packed:ac=selective,eager``).
+
+    Raises:
+        SystemExit: an unknown row or option.
+    """
+    name, _, options = row.partition(":")
+    if name not in ROWS:
+        raise SystemExit(f"--rows: unknown row {name!r}; rows are {', '.join(ROWS)}")
+    if options and name == FIT_ROW:
+        raise SystemExit(
+            f"--rows {row!r}: the {FIT_ROW} row takes no options (it runs the recipe as written)"
+        )
+    settings = argparse.Namespace(**vars(args), fp32_weights=False)
+    for option in filter(None, options.split(",")):
+        key, _, value = option.partition("=")
+        if name in HF_ROWS:
+            if option != "fp32":
+                raise SystemExit(f"--rows {row!r}: unknown option {option!r}; {name} takes fp32")
+            settings.fp32_weights = True
+        elif key == "ac" and value in AC_CHOICES:
+            settings.activation_checkpointing = value
+        elif key == "attn" and value in ATTENTION_CHOICES:
+            settings.attention = value
+        elif option in ("eager", "compile"):
+            settings.compile = {"eager": False, "compile": "always"}[option]
+        else:
+            raise SystemExit(
+                f"--rows {row!r}: unknown option {option!r}; options are ac={'|'.join(AC_CHOICES)}, "
+                f"attn={'|'.join(ATTENTION_CHOICES)}, eager, compile"
+            )
+    return name, settings
+
+
 def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
     """Train one row (``--warmup`` + ``--steps`` steps, or ``--loss-steps``) and measure it."""
     import torch
 
+    name, args = parse_row(row, args)
+    if name == FIT_ROW:
+        import vlm_fit_row
+
+        work = _work_file(args, "fit")
+        work.mkdir(parents=True, exist_ok=True)
+        base = json.loads(_work_file(args, "config.json").read_text())
+        return {"row": row, **vlm_fit_row.run(args, base, work)}
     torch.manual_seed(args.seed)
     cuda = args.device == "cuda"
     count = args.loss_steps or args.warmup + args.steps
     steps = step_batches(args, count)
-    layout = "packed" if row == "ours-packed" else "padded"
+    layout = "packed" if name == "ours-packed" else "padded"
     flops = flops_per_step(args, steps)
     samples = [len(s["padded"]["input_ids"]) for s in steps]
     tokens = [int(s["padded"]["attention_mask"].sum()) for s in steps]
     digest = _digest(steps)
     batches = [_to(s[layout], args.device) for s in steps]
-    build = build_hf if row in HF_ROWS else build_ours
-    model, loss_fn, info = build(args, row)
+    build = build_hf if name in HF_ROWS else build_ours
+    model, loss_fn, info = build(args, name)
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, fused=cuda, foreach=not cuda or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
@@ -450,15 +513,23 @@ def _baseline(results: list[dict[str, Any]]) -> dict[str, Any]:
         r["row"] == b for r in results)), None) or {}  # fmt: skip
 
 
+def _tail_loss(row: dict[str, Any], steps: int = 20) -> float:
+    """Mean loss of the last ``steps`` steps (less noisy than the last step alone)."""
+    tail = row["losses"][-steps:]
+    return sum(tail) / len(tail)
+
+
 def table(results: list[dict[str, Any]], loss: bool) -> str:
-    """One row per path; the ratio and loss change against the first transformers row."""
-    ref = _baseline(results)
-    name = ref.get("row", "baseline")
+    """One row per path. Speed: the ratio against the first plain transformers row. Loss: the last-20 mean loss
+    against every transformers row (each weight precision)."""
     if loss:
-        columns = ["row", "setting", "first loss", "final loss", f"final vs {name}"]
+        refs = [r for r in results if r["row"].partition(":")[0] in HF_ROWS and "error" not in r]
+        columns = ["row", "setting", "first loss", "final loss", "last-20 loss"]
+        columns += [f"vs {ref['row']}" for ref in refs]
     else:
+        ref = _baseline(results)
         columns = ["row", "setting", "attention", "real tokens/s", "samples/s", "TFLOP/s", "MFU", "peak mem"]
-        columns += [f"vs {name}", "first loss", "last loss"]
+        columns += [f"vs {ref.get('row', 'baseline')}", "first loss", "last loss"]
     lines = []
     for r in results:
         if "error" in r:
@@ -466,7 +537,8 @@ def table(results: list[dict[str, Any]], loss: bool) -> str:
             continue
         if loss:
             line = [r["row"], r["setting"], f"{r['first_loss']:.4f}", f"{r['last_loss']:.4f}"]
-            lines.append([*line, harness.change(r["last_loss"], ref.get("last_loss"))])
+            line.append(f"{_tail_loss(r):.4f}")
+            lines.append([*line, *(harness.change(_tail_loss(r), _tail_loss(ref)) for ref in refs)])
             continue
         line = [r["row"], r["setting"], r["attention"], f"{r['tokens_per_s'] / 1e3:.2f}k"]
         line += [f"{r['samples_per_s']:.2f}", f"{r['tflops']:.1f}", f"{100 * r['mfu']:.1f}%"]
@@ -482,7 +554,11 @@ def _parser() -> argparse.ArgumentParser:
         "--tiny", action="store_true", help="a tiny shape with small images and texts (CPU checks)"
     )
     parser.add_argument(
-        "--rows", nargs="+", default=["transformers+liger", "ours-padded", "ours-packed"], choices=ROWS
+        "--rows",
+        nargs="+",
+        default=["transformers+liger", "ours-padded", "ours-packed"],
+        help=f"rows: {', '.join(ROWS)}; options (module docstring): transformers+liger:fp32, "
+        f"ours-packed:ac={'|'.join(AC_CHOICES)},attn={'|'.join(ATTENTION_CHOICES)},eager|compile",
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
@@ -492,7 +568,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="image width and height range in pixels (default 224 896)")  # fmt: skip
     parser.add_argument("--text-tokens", type=int, nargs=2, default=None, metavar=("MIN", "MAX"),
                         help="text tokens per sample (default 64 1024)")  # fmt: skip
-    parser.add_argument("--attention", default=None, choices=("auto", "sdpa", "flex", "varlen"),
+    parser.add_argument("--attention", default=None, choices=ATTENTION_CHOICES,
                         help="our packed-attention backend (LLM packed rows, vision windows); default varlen on "
                         "CUDA (the encoder's shapes change with every image grid), auto elsewhere")  # fmt: skip
     parser.add_argument("--no-compile", dest="compile", action="store_false", help="ours: no torch.compile")
@@ -524,6 +600,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             raise SystemExit(f"--{name.replace('_', '-')} ({getattr(args, name)}) must be at least 1")
     if args.attention is None:
         args.attention = "varlen" if args.device.startswith("cuda") else "auto"
+    for row in args.rows:
+        name, _ = parse_row(row, args)
+        if name == FIT_ROW and args.loss_steps:
+            raise SystemExit(f"--loss-steps: the {FIT_ROW} row trains other token ids; leave it out")
     return args
 
 
@@ -542,14 +622,6 @@ def main() -> None:
         init = _child(args, "init")
         if "error" in init:
             raise SystemExit(f"writing the initial weights failed: {init['error']}")
-    results = []
-    for row in args.rows:
-        results.append(_child(args, row))
-        print(
-            json.dumps({k: v for k, v in results[-1].items() if k not in ("losses", "batch_shapes")}),
-            flush=True,
-        )
-    digests = {r["data_digest"] for r in results if "error" not in r}
     suffix = "_loss" if args.loss_steps else ""
     shape = "tiny" if args.tiny else args.shape
     name = (
@@ -557,8 +629,18 @@ def main() -> None:
     )
     out = Path(args.out or REPO / "benchmarks" / "results" / name)
     gpu = harness.machine(args.device == "cuda")
-    meta = {"gpu": gpu, **harness.run_meta(__file__), "shape": shape, "same_data": len(digests) <= 1}
-    harness.write_json(out, {"meta": meta, "results": results})
+    results: list[dict[str, Any]] = []
+    for row in args.rows:
+        results.append(_child(args, row))
+        print(
+            json.dumps({k: v for k, v in results[-1].items() if k not in ("losses", "batch_shapes")}),
+            flush=True,
+        )
+        digests = {r["data_digest"] for r in results if r.get("data_digest")}
+        meta = {"gpu": gpu, **harness.run_meta(__file__), "shape": shape, "same_data": len(digests) <= 1}
+        harness.write_json(
+            out, {"meta": meta, "results": results}
+        )  # after every row: a cut-off run keeps them
     what = (
         f"{args.loss_steps} steps, same inputs and initial weights"
         if args.loss_steps

@@ -77,26 +77,39 @@ def test_megatron_throughput_script_trains_its_megatron_and_fsdp2_paths(tmp_path
         assert abs(r["first_loss"] - FIRST_LOSS) < 0.2 and abs(r["last_loss"] - FIRST_LOSS) < 0.2, r
 
 
-def test_vlm_throughput_script_trains_transformers_and_our_packed_rows(tmp_path):
-    """The tiny Qwen2.5-VL shape: both rows train the same samples (same digest, real tokens and samples per
-    step), ours in packed rows of 512 tokens; the table is printed last with a row per path."""
+def test_vlm_throughput_script_trains_transformers_our_packed_rows_and_forge_fit(tmp_path):
+    """The tiny Qwen2.5-VL shape: transformers and ours train the same samples (same digest, real tokens and
+    samples per step), ours in packed rows of 512 tokens with its own row option (selective checkpointing); the
+    product-path row runs ``forge fit`` of the Qwen2.5-VL recipe; the table is printed last with a row per path."""
     args = ["--tiny", "--steps", "2", "--warmup", "1", "--samples-per-step", "2", "--seq-length", "512"]
-    args += ["--rows", "transformers", "ours-packed", "--work-dir", str(tmp_path / "work")]
+    args += [
+        "--rows",
+        "transformers",
+        "ours-packed:ac=selective",
+        "forge-fit",
+        "--work-dir",
+        str(tmp_path / "work"),
+    ]
     rows, stdout = _launch("vlm_throughput.py", *args, out=tmp_path / "vlm.json")
-    assert [r["row"] for r in rows] == ["transformers", "ours-packed"]
-    hf, ours = rows
+    assert [r["row"] for r in rows] == ["transformers", "ours-packed:ac=selective", "forge-fit"]
+    hf, ours, fit = rows
     assert hf["layout"] == "padded" and ours["layout"] == "packed" and not hf["liger"]
+    assert "AC selective" in ours["setting"]
     assert hf["data_digest"] == ours["data_digest"] and hf["params"] == ours["params"]
     assert hf["real_tokens_per_step"] == ours["real_tokens_per_step"] > 0
     assert all(shape[1] == 512 for shape in ours["batch_shapes"])
     assert all(shape[0] == 2 for shape in hf["batch_shapes"])  # two samples, padded to the longer
-    for r in rows:
+    for r in (hf, ours):
         assert r["tokens_per_s"] > 0 and r["samples_per_s"] > 0 and r["tflops"] > 0 and r["timed_steps"] == 2
         assert abs(r["first_loss"] - math.log(512)) < 0.3 and abs(r["last_loss"] - math.log(512)) < 0.3, r
+    assert fit["setting"].startswith("forge fit configs/vlm/qwen2.5-vl-3b/sft_fsdp2.yaml: 1 device")
+    assert fit["tokens_per_s"] > 0 and fit["tflops"] > 0 and fit["timed_steps"] == 5
+    assert abs(fit["first_loss"] - math.log(512)) < 0.5, fit
     lines = stdout.strip().splitlines()
-    assert lines[-4].startswith("| row | setting | attention | real tokens/s | samples/s | TFLOP/s | MFU |")
-    assert "| vs transformers | first loss | last loss |" in lines[-4]
-    assert lines[-1].startswith("| ours-packed |") and "LLM packed sdpa" in lines[-1]
+    assert lines[-5].startswith("| row | setting | attention | real tokens/s | samples/s | TFLOP/s | MFU |")
+    assert "| vs transformers | first loss | last loss |" in lines[-5]
+    assert lines[-2].startswith("| ours-packed:ac=selective |") and "LLM packed sdpa" in lines[-2]
+    assert lines[-1].startswith("| forge-fit |")
     assert json.loads((tmp_path / "vlm.json").read_text())["meta"]["same_data"] is True
 
 

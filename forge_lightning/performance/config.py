@@ -64,8 +64,9 @@ class AttentionConfig:
     Args:
         sdpa: SDPA backends allowed, in priority order (``cudnn``, ``flash``, ``efficient``, ``math``); ``auto``:
             cuDNN, then flash, efficient and math on CUDA, torch's default elsewhere.
-        packed: kernel for packed rows (several documents per row): ``auto`` (FlexAttention on CUDA, SDPA with a
-            block-diagonal mask elsewhere), ``sdpa``, ``flex`` or ``varlen``.
+        packed: kernel for packed rows (several documents per row): ``auto`` (on CUDA FlexAttention for an LLM's
+            fixed-shape rows and FlashAttention varlen for encoders, whose shapes change with every image grid;
+            SDPA with a block-diagonal mask elsewhere), ``sdpa``, ``flex`` or ``varlen``.
     """
 
     sdpa: list[str] | Literal["auto"] = "auto"

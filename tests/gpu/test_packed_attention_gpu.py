@@ -107,6 +107,22 @@ def test_document_attention_matches_sdpa(backend, dtype_name, seq):
 
 def test_auto_resolves_to_flex_on_cuda():
     assert resolve_attention_backend("auto", torch.device("cuda")) == "flex"
+    assert resolve_attention_backend("auto", torch.device("cuda"), varying_shapes=True) == "varlen"
+
+
+def test_auto_varlen_takes_fp32_inputs_through_sdpa():
+    """An encoder's mask chosen by ``auto`` (varlen) serves fp32 inputs with SDPA, bf16 ones with FlashAttention."""
+    torch.manual_seed(0)
+    document_ids = torch.tensor([[0] * 40 + [1] * 25 + [2] * 31], device="cuda")
+    q, k, v = (torch.randn(1, 4, 96, 64, device="cuda") for _ in range(3))
+    documents = DocumentMask.build(document_ids, "auto", causal=False, varying_shapes=True)
+    assert documents.backend == "varlen"
+    reference = attention(
+        q, k, v, causal=False, documents=DocumentMask.build(document_ids, "sdpa", causal=False)
+    )
+    torch.testing.assert_close(attention(q, k, v, causal=False, documents=documents), reference)
+    half = attention(*(t.bfloat16() for t in (q, k, v)), causal=False, documents=documents)
+    torch.testing.assert_close(half.float(), reference, atol=3e-2, rtol=3e-2)
 
 
 def small_config() -> LLMConfig:

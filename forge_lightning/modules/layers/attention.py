@@ -19,7 +19,10 @@ backend    packed attention                                                     
            skips the blocks outside the documents                                   forward only (eager)
 ``varlen`` ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen) on     CUDA, fp16 / bf16
            the flattened batch with ``cu_seqlens``
-``auto``   ``flex`` on CUDA, ``sdpa`` elsewhere
+``auto``   on CUDA ``flex`` for rows of a fixed shape (an LLM's packed rows), ``varlen`` for masks built
+           with ``varying_shapes`` (encoders, whose token count changes with every image grid: compiled
+           FlexAttention would recompile for each, then run eagerly), falling back to SDPA with the dense
+           mask for inputs in fp32 (FlashAttention takes fp16 / bf16 only); ``sdpa`` elsewhere
 =========  ======================================================================  ==========================
 
 Rows without document boundaries always use SDPA's causal kernel. The dense mask is O(S^2) memory: use it for CPU
@@ -65,11 +68,17 @@ def check_attention_backend(backend: str) -> str:
     return backend
 
 
-def resolve_attention_backend(backend: str, device: torch.device) -> str:
-    """The concrete backend for ``backend`` on ``device`` (``auto``: ``flex`` on CUDA, ``sdpa`` elsewhere)."""
+def resolve_attention_backend(backend: str, device: torch.device, *, varying_shapes: bool = False) -> str:
+    """The concrete backend for ``backend`` on ``device``.
+
+    ``auto`` is ``sdpa`` off CUDA; on CUDA ``flex`` (compiled for static shapes), or ``varlen`` when the rows'
+    shapes change from call to call (``varying_shapes``) and this torch has it.
+    """
     check_attention_backend(backend)
     if backend == "auto":
-        return "flex" if device.type == "cuda" else "sdpa"
+        if device.type != "cuda":
+            return "sdpa"
+        return "varlen" if varying_shapes and _varlen_attn is not None else "flex"
     if backend == "varlen" and device.type != "cuda":
         raise ValueError(
             f"attention_backend 'varlen' needs CUDA (FlashAttention), got device {device.type!r}"
@@ -109,6 +118,8 @@ class DocumentMask:
         cu_seqlens: ``[num_documents + 1]`` int32 document offsets in the flattened batch (``varlen``).
         max_seqlen: longest document (``varlen``).
         causal: each token attends to the earlier tokens of its document only; ``False``: to all of them.
+        chosen: the backend was picked by ``auto``: fp32 inputs then fall back from ``varlen`` to SDPA with a dense
+            mask (an explicit ``varlen`` refuses them).
     """
 
     document_ids: Tensor
@@ -118,18 +129,20 @@ class DocumentMask:
     cu_seqlens: Tensor | None = None
     max_seqlen: int = 0
     causal: bool = True
+    chosen: bool = False
 
     @classmethod
-    def build(cls, document_ids: Tensor, backend: str = "auto", *, causal: bool = True) -> DocumentMask:
+    def build(
+        cls, document_ids: Tensor, backend: str = "auto", *, causal: bool = True, varying_shapes: bool = False
+    ) -> DocumentMask:
         """Prepare the mask of ``document_ids`` ``[B, S]`` for ``backend`` (see :data:`ATTENTION_BACKENDS`),
-        causal within each document unless ``causal`` is false."""
-        backend = resolve_attention_backend(backend, document_ids.device)
+        causal within each document unless ``causal`` is false. ``varying_shapes``: the caller's rows change
+        shape from call to call (an encoder's patches), which ``auto`` then serves with ``varlen``."""
+        chosen = backend == "auto"
+        backend = resolve_attention_backend(backend, document_ids.device, varying_shapes=varying_shapes)
         B, S = document_ids.shape
         if backend == "sdpa":
-            allowed_BSS = document_ids[:, :, None] == document_ids[:, None, :]
-            if causal:
-                allowed_BSS &= torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
-            return cls(document_ids, backend, dense=allowed_BSS[:, None], causal=causal)
+            return cls(document_ids, backend, dense=_dense_mask(document_ids, causal), causal=causal)
         if backend == "flex":
             from torch.nn.attention.flex_attention import create_block_mask
 
@@ -144,7 +157,19 @@ class DocumentMask:
             return cls(document_ids, backend, block_mask=block_mask, causal=causal)
         counts = document_lengths(document_ids)  # documents of the flattened batch
         cu_seqlens = F.pad(counts.cumsum(0), (1, 0)).to(torch.int32)
-        return cls(document_ids, backend, cu_seqlens=cu_seqlens, max_seqlen=int(counts.max()), causal=causal)
+        longest = int(counts.max())
+        return cls(
+            document_ids, backend, cu_seqlens=cu_seqlens, max_seqlen=longest, causal=causal, chosen=chosen
+        )
+
+
+def _dense_mask(document_ids: Tensor, causal: bool) -> Tensor:
+    """``[B, 1, S, S]`` boolean: the same document (and not a later position, when ``causal``)."""
+    S = document_ids.shape[1]
+    allowed_BSS = document_ids[:, :, None] == document_ids[:, None, :]
+    if causal:
+        allowed_BSS &= torch.ones(S, S, dtype=torch.bool, device=document_ids.device).tril()
+    return allowed_BSS[:, None]
 
 
 def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask) -> Tensor:
@@ -153,7 +178,15 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
     gqa = q.shape[1] != k.shape[1]
     if documents.backend == "flex":
         return _flex_kernel(q.device.type == "cuda")(q, k, v, block_mask=documents.block_mask, enable_gqa=gqa)
-    if documents.backend == "varlen":
+    dense = documents.dense
+    if documents.backend == "varlen" and q.dtype not in (torch.float16, torch.bfloat16):
+        if not documents.chosen:
+            raise ValueError(
+                f"attention_backend 'varlen' (FlashAttention) takes fp16 / bf16 inputs, got {q.dtype}: compute "
+                "under bf16 autocast, or choose 'auto' (SDPA for fp32 inputs) or 'sdpa'"
+            )
+        dense = _dense_mask(documents.document_ids, documents.causal)
+    elif documents.backend == "varlen":
         if _varlen_attn is None:
             raise RuntimeError(f"attention_backend 'varlen' needs torch >= 2.10, got {torch.__version__}")
 
@@ -174,7 +207,7 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
     if gqa:
         num_rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(num_rep, dim=1), v.repeat_interleave(num_rep, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=documents.dense)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=dense)
 
 
 @functools.cache

@@ -475,10 +475,13 @@ class Qwen25VisionTransformer(nn.Module):
         rope = (cos[None], sin[None])  # [1, N, head_dim / 2]
         # Window order keeps the frames contiguous and in input order: their ids need no reordering.
         frames = DocumentMask.build(
-            frame_ids(grids, device=device)[None], self.attention_backend, causal=False
+            frame_ids(grids, device=device)[None], self.attention_backend, causal=False, varying_shapes=True
         )
         windows = DocumentMask.build(
-            unit_windows.repeat_interleave(unit_size)[None], self.attention_backend, causal=False
+            unit_windows.repeat_interleave(unit_size)[None],
+            self.attention_backend,
+            causal=False,
+            varying_shapes=True,
         )
         full = set(c.full_attention_layers)
         for i, block in enumerate(self.blocks):

@@ -316,7 +316,7 @@ class Qwen3VisionTransformer(nn.Module):
         cos, sin = self.rotary_pos_emb(positions_N2)
         rope = (cos[None], sin[None])  # [1, N, head_dim / 2]
         frames = DocumentMask.build(
-            frame_ids(grids, device=device)[None], self.attention_backend, causal=False
+            frame_ids(grids, device=device)[None], self.attention_backend, causal=False, varying_shapes=True
         )
         deepstack = []
         for i, block in enumerate(self.blocks):
