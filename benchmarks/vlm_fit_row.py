@@ -17,6 +17,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -96,7 +97,12 @@ def write_recipe(args: argparse.Namespace, files: dict[str, Path], work: Path, m
     model = recipe["model"]["init_args"]
     del model["pretrained"]
     model["config"] = str(files["config"])
+    if args.fit_ac is not None:
+        for name in ("vision", "projector", "llm"):
+            model["components"].setdefault(name, {})["activation_checkpointing"] = args.fit_ac
     data = recipe["data"]["init_args"]
+    if args.fit_rows is not None:
+        data["batch_size"], trainer["accumulate_grad_batches"] = args.fit_rows, 1
     data.update(
         train_files=str(files["train"]), image_root=str(files["images"]), tokenizer=str(files["tokenizer"])
     )
@@ -142,7 +148,11 @@ def run(args: argparse.Namespace, base_config: dict[str, Any], work: Path) -> di
     timed = _WINDOW * max(1, -(-args.steps // _WINDOW))
     max_steps = _WINDOW + timed
     # Each optimizer step takes accumulate_grad_batches packed rows of about seq_length tokens.
-    count = max(64, 3 * max_steps * args.seq_length // max(1, sum(args.text_tokens) // 2 + 400))
+    rows_per_step = args.fit_rows or 2  # the recipe: batch_size 1 x accumulate_grad_batches 2
+    count = max(
+        64, 2 * rows_per_step * max_steps * args.seq_length // max(1, sum(args.text_tokens) // 2 + 400)
+    )
+    shutil.rmtree(work / "run", ignore_errors=True)  # a run before this one would leave its metrics there
     files = write_data(args, base_config, work, count)
     recipe = write_recipe(args, files, work, max_steps)
     env = {
@@ -158,7 +168,9 @@ def run(args: argparse.Namespace, base_config: dict[str, Any], work: Path) -> di
     tflops = measured["tflops"]
     return {
         "setting": f"forge fit {RECIPE.relative_to(REPO)}: 1 device, seq_length {args.seq_length}, "
-        f"{count} text records, {timed} timed steps",
+        + (f"AC {args.fit_ac}, " if args.fit_ac else "the recipe's AC, ")
+        + (f"{args.fit_rows} rows per micro-batch, " if args.fit_rows else "")
+        + f"{count} text records, {timed} timed steps",
         "attention": "the recipe's performance settings",
         "layout": "packed (data module)",
         **measured,

@@ -23,7 +23,9 @@ patches by our ``Qwen2VLImageProcessor`` (so the grids are real), then question 
   image grid, which FlexAttention, compiled for static shapes, does not suit).
 - ``forge-fit``: the product path, ``forge fit`` of ``configs/vlm/qwen2.5-vl-3b/sft_fsdp2.yaml`` on one device
   with text records drawn like these samples (``benchmarks/vlm_fit_row.py`` says what it changes); compared on
-  real tokens/s (its token ids differ, so its loss is not comparable).
+  real tokens/s (its token ids differ, so its loss is not comparable). ``forge-fit:ac=selective,rows=2`` sets the
+  activation checkpointing of every component and the packed rows of a step, taken as one micro-batch (the
+  recipe's: ``batch_size`` 1 x ``accumulate_grad_batches`` 2), to match an ``ours-packed`` row.
 
 Rows take options after a colon. ``transformers+liger:fp32`` keeps transformers' weights (and AdamW) in fp32 and
 computes under bf16 autocast, as ours do: the numerically like-for-like baseline of a loss comparison.
@@ -390,14 +392,19 @@ def parse_row(row: str, args: argparse.Namespace) -> tuple[str, argparse.Namespa
     name, _, options = row.partition(":")
     if name not in ROWS:
         raise SystemExit(f"--rows: unknown row {name!r}; rows are {', '.join(ROWS)}")
-    if options and name == FIT_ROW:
-        raise SystemExit(
-            f"--rows {row!r}: the {FIT_ROW} row takes no options (it runs the recipe as written)"
-        )
-    settings = argparse.Namespace(**vars(args), fp32_weights=False)
+    settings = argparse.Namespace(**vars(args), fp32_weights=False, fit_ac=None, fit_rows=None)
     for option in filter(None, options.split(",")):
         key, _, value = option.partition("=")
-        if name in HF_ROWS:
+        if name == FIT_ROW:
+            if key == "ac" and value in AC_CHOICES:
+                settings.fit_ac = value
+            elif key == "rows" and value.isdigit() and int(value) > 0:
+                settings.fit_rows = int(value)
+            else:
+                raise SystemExit(
+                    f"--rows {row!r}: unknown option {option!r}; {FIT_ROW} takes ac={'|'.join(AC_CHOICES)}, rows=N"
+                )
+        elif name in HF_ROWS:
             if option != "fp32":
                 raise SystemExit(f"--rows {row!r}: unknown option {option!r}; {name} takes fp32")
             settings.fp32_weights = True
@@ -558,7 +565,8 @@ def _parser() -> argparse.ArgumentParser:
         nargs="+",
         default=["transformers+liger", "ours-padded", "ours-packed"],
         help=f"rows: {', '.join(ROWS)}; options (module docstring): transformers+liger:fp32, "
-        f"ours-packed:ac={'|'.join(AC_CHOICES)},attn={'|'.join(ATTENTION_CHOICES)},eager|compile",
+        f"ours-packed:ac={'|'.join(AC_CHOICES)},attn={'|'.join(ATTENTION_CHOICES)},eager|compile, "
+        "forge-fit:ac=...,rows=N",
     )
     parser.add_argument("--steps", type=int, default=10, help="timed steps")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first")
