@@ -112,30 +112,43 @@ def hf_name(name: str) -> str:
     return name.removeprefix("llm.")
 
 
-def assert_matches_transformers(hf, model, batch: dict, *, image: int = IMAGE, video: int = VIDEO) -> None:
+def assert_matches_transformers(
+    hf, model, batch: dict, *, image: int = IMAGE, video: int = VIDEO, router_aux: bool = False
+) -> dict[str, float]:
     """Logits (at the kept tokens), loss and every gradient of ``model`` against ``hf`` on ``batch`` (``image`` /
-    ``video``: the placeholder ids)."""
+    ``video``: the placeholder ids); with ``router_aux`` (MoE LLMs) the loss includes the load-balancing loss over
+    the unpadded tokens, weighted by ``router_aux_loss_coef``, and that loss is compared too. Returns the errors."""
     hf.zero_grad(set_to_none=True)
     model.zero_grad(set_to_none=True)
     target = labels(batch, image=image, video=video)
     keep = batch["attention_mask"].bool()
 
     logits = model(**batch)
-    want_logits, out = hf_logits(hf, batch, image=image, video=video, labels=target)
-    logits_err = (logits - want_logits)[keep].abs().max().item()
-    assert logits_err <= LOGITS_TOL, logits_err
+    extra = {"output_router_logits": True} if router_aux else {}
+    want_logits, out = hf_logits(hf, batch, image=image, video=video, labels=target, **extra)
+    errors = {"logits": (logits - want_logits)[keep].abs().max().item()}
+    assert errors["logits"] <= LOGITS_TOL, errors
 
     loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), target[:, 1:].flatten(), ignore_index=-100)
-    assert abs(loss.item() - out.loss.item()) <= LOSS_TOL * out.loss.item()
+    if router_aux:
+        aux = model.llm.router_losses(batch["attention_mask"]).aux_loss
+        errors["aux_loss"] = abs(aux.item() - out.aux_loss.item()) / out.aux_loss.item()
+        assert errors["aux_loss"] <= LOSS_TOL, errors
+        loss = loss + model.config.llm.moe.aux_loss_coef * aux
+    errors["loss"] = abs(loss.item() - out.loss.item()) / out.loss.item()
+    assert errors["loss"] <= LOSS_TOL, errors
 
     loss.backward()
     out.loss.backward()
     hf_grads = {name: p.grad for name, p in hf.named_parameters()}
     assert {hf_name(name) for name, _ in model.named_parameters()} == hf_grads.keys()
+    errors["grad"] = 0.0
     for name, p in model.named_parameters():
         want = hf_grads[hf_name(name)]
         rel = ((p.grad - want).norm() / want.norm()).item()
         assert rel <= GRAD_TOL, f"{name}: relative gradient error {rel:.2e}"
+        errors["grad"] = max(errors["grad"], rel)
+    return errors
 
 
 def assert_export_loads(model, hf_cls, batch: dict, out_dir: Path) -> Path:

@@ -239,10 +239,12 @@ def test_missing_unexpected_and_incompatible_are_named(tmp_path: Path) -> None:
     ):
         load_pretrained(model, tmp_path)
 
+    # A model built on the meta device is refused alike, before any tensor is assigned.
     with torch.device("meta"):
         meta_model = DecoderLM(LLMConfig.load(tmp_path))
-    with pytest.raises(ValueError, match="meta device; materialise it first"):
+    with pytest.raises(ValueError, match=r"missing: model\.norm\.weight"):
         load_pretrained(meta_model, tmp_path)
+    assert all(p.is_meta for p in meta_model.parameters())
 
     other = DecoderLM(LLMConfig.from_preset("debug", hidden_size=32, num_kv_heads=4))
     with pytest.raises(
@@ -284,3 +286,23 @@ def test_existing_export_is_only_replaced_on_request(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]
     generation = json.loads((out / "generation_config.json").read_text())
     assert generation == {"bos_token_id": 1, "eos_token_id": [2, 3]}
+
+
+@pytest.mark.parametrize("variant", ["llama-bias-linear-rope", "llama3-rope-tied"])
+def test_pretrained_modules_are_built_on_the_meta_device(variant: str, tmp_path: Path) -> None:
+    """``CausalLM(pretrained=...)`` builds on the meta device and takes the checkpoint's tensors: its parameters,
+    rebuilt rotary frequencies, tying and logits equal those of a CPU-built model filled by copying."""
+    from forge_lightning.modules.llm import CausalLM
+
+    build_hf(variant).save_pretrained(tmp_path)
+    module = CausalLM.from_pretrained(tmp_path)
+    copied = load_pretrained(DecoderLM(LLMConfig.load(tmp_path)), tmp_path)
+    for name, tensor in [*copied.state_dict().items(), *copied.named_buffers()]:
+        got = dict(module.model.named_buffers()).get(name, module.model.state_dict().get(name))
+        assert got.dtype == tensor.dtype and torch.equal(got, tensor), name
+    assert (
+        module.model.lm_head.weight is module.model.model.embed_tokens.weight
+    ) == copied.config.tie_word_embeddings
+    ids = torch.randint(0, _BASE["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(module.model(ids), copied(ids))

@@ -241,7 +241,10 @@ def test_config_reads_and_round_trips() -> None:
             r"vision.deepstack_layers \(\[0, 2\]\) feed 2 decoder layers, but llm.num_layers is 1",
         ),
         (lambda c: c.update(video_token_id=IMAGE), "the special token ids must differ"),
-        (lambda c: c.update(model_type="qwen3_vl_moe"), r"model_type \('qwen3_vl_moe'\) is not supported"),
+        (
+            lambda c: c.update(model_type="qwen3_vl_moe"),
+            r"model_type \('qwen3_vl_moe'\) must be 'qwen3_vl' for a vision_config of model_type 'qwen3_vl_vision'",
+        ),
         (lambda c: c.update(model_type="qwen2_5_vl"), r"model_type \('qwen2_5_vl'\) must be 'qwen3_vl'"),
     ],
 )

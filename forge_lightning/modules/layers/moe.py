@@ -56,12 +56,16 @@ class RouterStats:
         prob_sum: ``[E]`` sum over tokens of the routing distribution (differentiable).
         z_loss: mean over tokens of ``logsumexp(logits)^2`` (differentiable).
         num_tokens: tokens routed.
+        probs: ``[T, E]`` each token's routing distribution (differentiable), for losses over some tokens only.
+        indices: ``[T, K]`` each token's experts.
     """
 
     tokens_per_expert: Tensor
     prob_sum: Tensor
     z_loss: Tensor
     num_tokens: int
+    probs: Tensor
+    indices: Tensor
 
 
 @dataclass
@@ -323,6 +327,8 @@ class MoEBlock(nn.Module):
             prob_sum=routing.probs.sum(dim=0),
             z_loss=torch.logsumexp(routing.logits.float(), dim=-1).square().mean(),
             num_tokens=x_TD.shape[0],
+            probs=routing.probs,
+            indices=routing.indices,
         )
         shared_TD = self.shared_output(x_TD)
         if shared_TD is not None:
@@ -394,7 +400,7 @@ class GatedSharedExpertMoE(_SharedExpertMoE):
     shared_name, gated = "shared_expert", True
 
 
-def router_losses(blocks: Sequence[MoEBlock]) -> RouterLosses:
+def router_losses(blocks: Sequence[MoEBlock], token_mask: Tensor | None = None) -> RouterLosses:
     """Load-balancing loss and router z-loss of the blocks' last forward.
 
     The load-balancing loss is the Switch Transformer's (Fedus et al. 2021, arXiv:2101.03961, eq. 4-6)
@@ -403,16 +409,40 @@ def router_losses(blocks: Sequence[MoEBlock]) -> RouterLosses:
     equals K for perfectly balanced routing. For sigmoid routers ``P`` is the token's normalised scores. The z-loss
     is ST-MoE's (Zoph et al. 2022, arXiv:2202.08906, eq. 5) ``mean_t logsumexp(logits_t)^2``, averaged over layers.
 
+    With ``token_mask`` the load-balancing loss and the expert loads count only the tokens it keeps, as transformers
+    leaves padding out by the attention mask; the z-loss stays the mean over all tokens.
+
     Args:
         blocks: the MoE blocks of a model, each after a forward.
+        token_mask: ``[B, S]`` (or ``[T]``), nonzero at the tokens to count, in the order the blocks saw them.
     """
     stats = [block.stats for block in blocks]
     if not stats or any(s is None for s in stats):
         raise ValueError("router_losses needs every MoE block to have run a forward")
-    counts_LE = torch.stack([s.tokens_per_expert for s in stats])
-    prob_sum_E = torch.stack([s.prob_sum for s in stats]).sum(dim=0)
-    num_tokens = sum(s.num_tokens for s in stats)
+    if token_mask is None:
+        counts_LE = torch.stack([s.tokens_per_expert for s in stats])
+        prob_sum_E = torch.stack([s.prob_sum for s in stats]).sum(dim=0)
+        num_tokens = sum(s.num_tokens for s in stats)
+    else:
+        counts_LE, prob_sum_E, num_tokens = _masked_router_stats(stats, token_mask.reshape(-1))
     f_E, p_E = counts_LE.sum(dim=0) / num_tokens, prob_sum_E / num_tokens
     aux_loss = counts_LE.shape[-1] * (f_E * p_E).sum()
     z_loss = torch.stack([s.z_loss for s in stats]).mean()
     return RouterLosses(aux_loss=aux_loss, z_loss=z_loss, tokens_per_expert=counts_LE)
+
+
+def _masked_router_stats(stats: Sequence[RouterStats], keep_T: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``(assignments [L, E], summed routing distribution [E], kept tokens over the layers)`` of the tokens
+    ``keep_T`` keeps."""
+    if any(s.num_tokens != keep_T.numel() for s in stats):
+        raise ValueError(
+            f"token_mask holds {keep_T.numel()} tokens but the MoE blocks routed {stats[0].num_tokens}"
+        )
+    keep_T = keep_T.to(torch.float32)
+    K = stats[0].indices.shape[-1]
+    counts = [
+        torch.zeros_like(s.tokens_per_expert).index_add_(0, s.indices.flatten(), keep_T.repeat_interleave(K))
+        for s in stats
+    ]
+    prob_sum_E = sum((s.probs.float() * keep_T[:, None]).sum(dim=0) for s in stats)
+    return torch.stack(counts), prob_sum_E, keep_T.sum() * len(stats)

@@ -22,6 +22,7 @@ ARCHITECTURES: dict[str, str] = {
     # The language models of Qwen2.5-VL / Qwen3-VL (their `text_config`), with multimodal RoPE.
     "qwen2_5_vl_text": "Qwen2_5_VLTextModel",
     "qwen3_vl_text": "Qwen3VLTextModel",
+    "qwen3_vl_moe_text": "Qwen3VLMoeTextModel",
 }
 """Supported Hugging Face ``model_type`` values and the ``architectures`` class each exports as."""
 
@@ -88,9 +89,26 @@ _ARCH_RULES: dict[str, dict[str, Any]] = {
         "mrope_interleaved": True,
         **_DENSE,
     },
+    # Qwen3-VL-MoE's router always renormalises its top-k probabilities (its config has no norm_topk_prob).
+    "qwen3_vl_moe_text": {
+        "o_proj_bias": _FOLLOWS_BIAS,
+        "mlp_bias": False,
+        "qk_norm": True,
+        "mrope_interleaved": True,
+        "mla": None,
+        "moe.score_func": "softmax",
+        "moe.norm_topk_prob": True,
+        "moe.routed_scaling_factor": 1.0,
+        "moe.shared_intermediate_size": 0,
+        "moe.first_dense_layers": 0,
+    },
 }
 # transformers' M-RoPE split when a VL text config names none.
-_DEFAULT_MROPE_SECTION = {"qwen2_5_vl_text": [16, 24, 24], "qwen3_vl_text": [24, 20, 20]}
+_DEFAULT_MROPE_SECTION = {
+    "qwen2_5_vl_text": [16, 24, 24],
+    "qwen3_vl_text": [24, 20, 20],
+    "qwen3_vl_moe_text": [24, 20, 20],
+}
 _SCORE_FUNCS = ("softmax", "sigmoid")
 
 _DTYPES = ("float32", "bfloat16", "float16")
@@ -550,7 +568,7 @@ class LLMConfig:
             attention_bias=attention_bias,
             o_proj_bias=attention_bias if arch in _O_PROJ_FOLLOWS_BIAS else False,
             mlp_bias=bool(hf.get("mlp_bias", False)) if arch == "llama" else False,
-            qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_vl_text"),
+            qk_norm=arch in ("qwen3", "qwen3_moe", "qwen3_vl_text", "qwen3_vl_moe_text"),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             initializer_range=hf.get("initializer_range", 0.02),
             bos_token_id=hf.get("bos_token_id"),
@@ -604,15 +622,16 @@ class LLMConfig:
             hf.update(use_sliding_window=False, sliding_window=None, max_window_layers=self.num_layers)
         if self.architecture == "mistral":
             hf["sliding_window"] = None
-        if self.architecture in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):
+        if self.architecture in _MOE_ARCHITECTURES:
             hf.update(_moe_to_hf(self))
         if self.mla is not None:
             hf.update(_mla_to_hf(self))
         return hf
 
 
-_O_PROJ_FOLLOWS_BIAS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_vl_text")
+_O_PROJ_FOLLOWS_BIAS = ("llama", "qwen3", "qwen3_moe", "deepseek_v3", "qwen3_vl_text", "qwen3_vl_moe_text")
 _DEFAULT_HEAD_DIM = {"qwen3": 128, "qwen3_vl_text": 128}  # transformers' config defaults
+_MOE_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "deepseek_v3", "qwen3_vl_moe_text")
 
 _HF_REQUIRED = (
     "vocab_size",
@@ -647,8 +666,9 @@ def field_value(config: Any, name: str) -> Any:
 
 
 def _moe_from_hf(hf: Mapping[str, Any], arch: str) -> MoEConfig | None:
-    """The ``moe`` sub-config of a Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 config (``None`` for other families)."""
-    if arch not in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):
+    """The ``moe`` sub-config of a Qwen2-MoE / Qwen3-MoE / DeepSeek-V3 / Qwen3-VL-MoE config (``None`` for other
+    families)."""
+    if arch not in _MOE_ARCHITECTURES:
         return None
     # transformers writes `num_experts` of Qwen3-MoE as `num_local_experts` and DeepSeek's as `n_routed_experts`.
     num_experts = hf.get("num_experts", hf.get("num_local_experts", hf.get("n_routed_experts")))
@@ -685,7 +705,7 @@ def _moe_from_hf(hf: Mapping[str, Any], arch: str) -> MoEConfig | None:
         )
     return MoEConfig(
         **common,
-        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        norm_topk_prob=arch == "qwen3_vl_moe_text" or bool(hf.get("norm_topk_prob", False)),
         shared_intermediate_size=hf.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0,
         shared_expert_gate=arch == "qwen2_moe",
         layer_step=hf.get("decoder_sparse_step", 1),
@@ -704,10 +724,11 @@ def _moe_to_hf(config: LLMConfig) -> dict[str, Any]:
     hf: dict[str, Any] = {
         "num_experts_per_tok": m.num_experts_per_tok,
         "moe_intermediate_size": m.intermediate_size,
-        "norm_topk_prob": m.norm_topk_prob,
         "router_aux_loss_coef": m.aux_loss_coef,
         "output_router_logits": False,
     }
+    if config.architecture != "qwen3_vl_moe_text":  # which always normalises, and has no such key
+        hf["norm_topk_prob"] = m.norm_topk_prob
     if m.z_loss_coef:
         hf["router_z_loss_coef"] = m.z_loss_coef
     if m.bias_update_rate:
@@ -834,7 +855,8 @@ def _rope_from_hf(hf: Mapping[str, Any]) -> tuple[float, dict[str, Any] | None]:
         params.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
     if hf.get("model_type") in _DEFAULT_MROPE_SECTION:
         params.setdefault("mrope_section", _DEFAULT_MROPE_SECTION[hf["model_type"]])
-    if hf.get("model_type") == "qwen3_vl_text":  # transformers' Qwen3-VL interleaves whatever the key says
+    # transformers' Qwen3-VL (-MoE) interleaves whatever the key says.
+    if hf.get("model_type") in ("qwen3_vl_text", "qwen3_vl_moe_text"):
         params.setdefault("mrope_interleaved", True)
     return theta, (params if rope_type != "default" or MROPE_KEYS & set(params) else None)
 

@@ -12,7 +12,10 @@ the identity, except that:
                                                 mlp.experts.{e}.up_proj.weight   [I, D]   (rows I: of expert e)
       mlp.experts.down_proj    [E, D, I]   <->  mlp.experts.{e}.down_proj.weight [D, I]
 
-  Loading accepts either layout; saving writes the per-expert one;
+  Loading accepts either layout; saving writes the per-expert one. Qwen3-VL-MoE (:data:`FUSED_EXPERT_FILES`) keeps
+  them fused in its files: as published, transposed (``gate_up_proj [E, D, 2I]``, ``down_proj [E, I, D]``, which
+  transformers 5 transposes on load when the shape differs from its own), and as transformers 5 writes it, in the
+  model's layout, which is what saving writes;
 - DeepSeek-V3's multi-token-prediction layers (``model.layers.{num_hidden_layers + i}`` for
   ``i < num_nextn_predict_layers``) are skipped on load.
 
@@ -37,6 +40,7 @@ from torch import Tensor
 
 from forge_lightning.atomic_io import replace
 from forge_lightning.manifest import FileChecks, write_directory_manifest
+from forge_lightning.modules.layers.state_dict import assign_weights
 from forge_lightning.modules.llm.config import LLMConfig, field_value
 from forge_lightning.modules.llm.model import DecoderLM
 
@@ -48,6 +52,9 @@ EXPERT_KEY = re.compile(
     r"(?P<prefix>.+\.mlp\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight"
 )
 _LAYER_KEY = re.compile(r"model\.layers\.(\d+)\.")
+FUSED_EXPERTS = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
+FUSED_EXPERT_FILES = ("qwen3_vl_moe_text",)
+"""Architectures whose Hugging Face files hold each layer's experts as 3-D tensors, not one by one."""
 
 # Fields that change the computed function: a checkpoint must agree with the model on all of them. Token ids,
 # dtype, initializer_range and max_position_embeddings may differ (e.g. when extending the context).
@@ -166,7 +173,8 @@ def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM
     """Load a Hugging Face checkpoint directory into ``model`` strictly (in place; also returned).
 
     The checkpoint's ``config.json`` must match ``model.config`` (see :func:`check_compatible`). Tensors are
-    cast to the model's parameter dtypes. The model must be materialised (not on the meta device).
+    cast to the model's parameter dtypes. A model built on the meta device takes the checkpoint's tensors as its
+    parameters (see :func:`~forge_lightning.modules.layers.state_dict.assign_weights`).
 
     Args:
         model: the model to fill.
@@ -174,12 +182,10 @@ def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM
 
     Raises:
         FileNotFoundError: no ``config.json`` or weights in ``path``.
-        ValueError: the model is on the meta device, the config is incompatible, or tensors are missing,
-            unexpected or of the wrong shape (all named).
+        ValueError: the config is incompatible, or tensors are missing, unexpected or of the wrong shape (all
+            named).
     """
     path = Path(path)
-    if any(p.is_meta for p in model.parameters()):
-        raise ValueError("model is on the meta device; materialise it first (model.to_empty(device=...))")
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}")
     hf_config = json.loads((path / "config.json").read_text())
@@ -227,6 +233,8 @@ def load_hf_weights(
         for k, v in model.state_dict().items()
         if not (model.config.tie_word_embeddings and k == TIED_HEAD_KEY)
     }
+    if model.config.architecture in FUSED_EXPERT_FILES:
+        state = _experts_in_model_layout(state, expected)
     problems = [f"missing: {k}" for k in expected if k not in state]
     problems += [f"unexpected: {k}" for k in state if k not in expected]
     problems += [
@@ -238,7 +246,7 @@ def load_hf_weights(
         raise ValueError(f"{source} does not fit the model:\n  " + "\n  ".join(problems))
     if model.config.tie_word_embeddings:
         state[TIED_HEAD_KEY] = state[EMBEDDING_KEY]
-    model.load_state_dict(state, strict=True)
+    assign_weights(model, state)
     return model
 
 
@@ -344,7 +352,8 @@ def export_tensors(
     """The tensors of a decoder state dict as Hugging Face files hold them: experts split, a tied head left out,
     floating tensors cast to ``dtype`` (if given), contiguous on the CPU."""
     tensors = {}
-    for name, tensor in split_experts(state_dict).items():
+    fused = config.architecture in FUSED_EXPERT_FILES
+    for name, tensor in (state_dict if fused else split_experts(state_dict)).items():
         if config.tie_word_embeddings and name == TIED_HEAD_KEY:
             continue  # Hugging Face files store the tied matrix once, as the embedding
         tensor = tensor.detach()
@@ -353,6 +362,20 @@ def export_tensors(
             tensor = tensor.to(dtype)
         tensors[name] = tensor.cpu().contiguous()
     return tensors
+
+
+def _experts_in_model_layout(state: dict[str, Tensor], expected: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Fused expert tensors of the published Qwen3-VL-MoE layout (``[E, D, 2I]``, ``[E, I, D]``) transposed into the
+    model's; a tensor already of the model's shape is kept, as transformers keeps it (so a square ``2I == D`` is read
+    as the model's layout)."""
+    out = dict(state)
+    for name, tensor in state.items():
+        want = expected.get(name)
+        if not name.endswith(FUSED_EXPERTS) or want is None or tensor.ndim != 3 or tensor.shape == want.shape:
+            continue
+        if tensor.shape == want.transpose(1, 2).shape:
+            out[name] = tensor.transpose(1, 2).contiguous()
+    return out
 
 
 def _layer_index(key: str) -> int | None:

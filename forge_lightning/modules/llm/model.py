@@ -334,11 +334,11 @@ class DecoderLM(nn.Module):
         """The MoE blocks, in layer order (empty for a dense model)."""
         return [layer.mlp for layer in self.model.layers if isinstance(layer.mlp, MoEBlock)]
 
-    def router_losses(self) -> RouterLosses | None:
-        """Router losses and expert loads of the last forward (``None`` for a dense model); see
-        :func:`~forge_lightning.modules.layers.moe.router_losses`."""
+    def router_losses(self, token_mask: Tensor | None = None) -> RouterLosses | None:
+        """Router losses and expert loads of the last forward (``None`` for a dense model), over the tokens
+        ``token_mask`` ``[B, S]`` keeps (default all); see :func:`~forge_lightning.modules.layers.moe.router_losses`."""
         blocks = self.moe_blocks()
-        return router_losses(blocks) if blocks else None
+        return router_losses(blocks, token_mask) if blocks else None
 
     def hidden_states(
         self,

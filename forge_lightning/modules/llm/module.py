@@ -18,6 +18,7 @@ from forge_lightning.contracts import (
     pretrained_deferred,
 )
 from forge_lightning.modules.layers.attention import document_lengths
+from forge_lightning.modules.layers.moe import RouterLosses
 from forge_lightning.modules.llm.config import LLMConfig, attention_flops_per_token, llm_flops_per_token
 from forge_lightning.modules.llm.generation import generate
 from forge_lightning.modules.llm.hf import load_pretrained, save_pretrained
@@ -53,6 +54,27 @@ def _as(cls: type, value: Any) -> Any:
     if value is None:
         return cls()
     return cls(**value) if isinstance(value, dict) else value
+
+
+def router_loss_term(module: pl.LightningModule, config: LLMConfig, router: RouterLosses) -> torch.Tensor:
+    """The weighted router losses a training step adds to its loss (``moe.aux_loss_coef`` times the load-balancing
+    loss plus ``moe.z_loss_coef`` times the z-loss), logging both and the expert load on ``module``.
+
+    They are per-micro-batch means, so Lightning's division by the accumulation steps and the data-parallel gradient
+    average make the optimizer step use their mean over the global batch.
+
+    Args:
+        module: the LightningModule that logs them.
+        config: the LLM's config (its ``moe`` weights).
+        router: the LLM's router losses of the step's forward (:meth:`DecoderLM.router_losses`).
+    """
+    load_LE = router.tokens_per_expert
+    module.log("train/router_aux_loss", router.aux_loss.detach().float(), rank_zero_only=True)
+    module.log("train/router_z_loss", router.z_loss.detach().float(), rank_zero_only=True)
+    module.log(
+        "moe/expert_load_max_over_mean", (load_LE.amax(-1) / load_LE.mean(-1)).mean(), rank_zero_only=True
+    )
+    return config.moe.aux_loss_coef * router.aux_loss + config.moe.z_loss_coef * router.z_loss
 
 
 class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
@@ -129,10 +151,13 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
             # A strategy reads its own shards of the files (see deferred_pretrained): no full copy on this rank.
             with torch.device("meta"):
                 self.model = DecoderLM(self.config, attention_backend=self.performance.attention.packed)
+        elif pretrained is not None:
+            # Built on the meta device, the checkpoint's tensors become the parameters: no random init first.
+            with torch.device("meta"):
+                self.model = DecoderLM(self.config, attention_backend=self.performance.attention.packed)
+            load_pretrained(self.model, pretrained)
         else:
             self.model = DecoderLM(self.config, attention_backend=self.performance.attention.packed)
-            if pretrained is not None:
-                load_pretrained(self.model, pretrained)
         # The PEFT wrapper is kept outside the module tree: the adapted layers already live in self.model.
         self.__dict__["_peft_model"] = None
         if self.lora_config is not None:
@@ -251,25 +276,15 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
         return loss if router_loss is None else loss + router_loss.to(loss.dtype)
 
     def _moe_aux_losses(self) -> torch.Tensor | None:
-        """Weighted router losses of the last forward (``None`` for a dense model), logging them and the expert load.
-
-        They are per-micro-batch means, so Lightning's division by the accumulation steps and the data-parallel
-        gradient average make the optimizer step use their mean over the global batch.
-        """
+        """Weighted router losses of the last forward (``None`` for a dense model), logging them and the expert load
+        (see :func:`router_loss_term`); the loads also feed the selection-bias update."""
         router = self.model.router_losses()
         if router is None:
             return None
-        moe = self.config.moe
-        load_LE = router.tokens_per_expert
-        if moe.bias_update_rate:
-            step = self._step_expert_load
+        if self.config.moe.bias_update_rate:
+            step, load_LE = self._step_expert_load, router.tokens_per_expert
             self._step_expert_load = load_LE if step is None else step + load_LE
-        self.log("train/router_aux_loss", router.aux_loss.detach().float(), rank_zero_only=True)
-        self.log("train/router_z_loss", router.z_loss.detach().float(), rank_zero_only=True)
-        self.log(
-            "moe/expert_load_max_over_mean", (load_LE.amax(-1) / load_LE.mean(-1)).mean(), rank_zero_only=True
-        )
-        return moe.aux_loss_coef * router.aux_loss + moe.z_loss_coef * router.z_loss
+        return router_loss_term(self, self.config, router)
 
     def optimizer_step_skipped(self) -> None:
         """The coming step is left out (:class:`~forge_lightning.contracts.SkippedStepAware`): so is its expert-bias

@@ -7,11 +7,14 @@ projector that architecture has, whether the LLM takes multimodal RoPE positions
     vision.type   family       model_type   projector   LLM positions          token fields
     qwen2_5_vit   Qwen2.5-VL   qwen2_5_vl   none        M-RoPE [3, B, S]       image / video / vision start, end
     qwen3_vit     Qwen3-VL     qwen3_vl     none        interleaved M-RoPE     image / video / vision start, end
+    qwen3_vit     Qwen3-VL-MoE qwen3_vl_moe none        interleaved M-RoPE     as Qwen3-VL (LLM qwen3_vl_moe_text)
     siglip        LLaVA        llava        mlp         1-D (the LLM's own)    image
     clip          LLaVA        llava        mlp         1-D (the LLM's own)    image
     siglip_anyres LLaVA-OV     llava_onevision  mlp_newline  1-D               image, video (kept, not encoded)
 
-LLaVA reads both towers: its ``vision_config`` ``model_type`` picks one (none means CLIP, as in transformers).
+LLaVA reads both towers: its ``vision_config`` ``model_type`` picks one (none means CLIP, as in transformers). One
+vision type may stand for several families that differ in their LLM (:data:`FAMILY_VARIANTS`): the LLM's
+``architecture`` picks among them (Qwen3-VL with a ``qwen3_vl_moe_text`` LLM is Qwen3-VL-MoE).
 """
 
 from __future__ import annotations
@@ -91,6 +94,8 @@ class Family:
         to_hf: writes it.
         mrope_interleaved: with ``mrope``, the LLM's M-RoPE is interleaved (Qwen3-VL), not chunked (Qwen2.5-VL).
         projector_required: the tower needs the family's projector (LLaVA-OneVision's ``image_newline``).
+        llm_architecture: the LLM ``architecture`` that makes a vision type this family rather than its default
+            one (:data:`FAMILY_VARIANTS`); ``None`` for the defaults.
     """
 
     name: str
@@ -104,6 +109,7 @@ class Family:
     to_hf: Callable[[VLMConfig], dict[str, Any]]
     mrope_interleaved: bool = False
     projector_required: bool = False
+    llm_architecture: str | None = None
 
 
 @dataclass(kw_only=True)
@@ -143,15 +149,15 @@ class VLMConfig:
 
     def __post_init__(self) -> None:
         self.vision = _section(self.vision, VISION_TYPES, "vision", default="qwen2_5_vit")
-        family = self.family
-        self.projector = _section(
-            family.projector if self.projector is None else self.projector, PROJECTORS, "projector"
-        )
         if isinstance(self.llm, Mapping):
             # A Hugging Face text config (it names its model_type) or LLMConfig's own fields.
             self.llm = LLMConfig.load(self.llm) if "model_type" in self.llm else LLMConfig(**self.llm)
         elif isinstance(self.llm, str):
             self.llm = LLMConfig.load(self.llm)
+        family = self.family
+        self.projector = _section(
+            family.projector if self.projector is None else self.projector, PROJECTORS, "projector"
+        )
         self.projector.check_widths(self.vision.out_hidden_size, self.llm.hidden_size)
         if family.projector_required and self.projector_type != family.projector:
             raise ValueError(
@@ -223,8 +229,12 @@ class VLMConfig:
 
     @property
     def family(self) -> Family:
-        """The composed architecture of :attr:`vision_type` (see :data:`FAMILIES`)."""
-        return FAMILIES[self.vision_type]
+        """The composed architecture of :attr:`vision_type` and the LLM's architecture (see :data:`FAMILIES`,
+        :data:`FAMILY_VARIANTS`)."""
+        variants = FAMILY_VARIANTS.get(self.vision_type, ())
+        return next(
+            (f for f in variants if f.llm_architecture == self.llm.architecture), FAMILIES[self.vision_type]
+        )
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> VLMConfig:
@@ -235,9 +245,9 @@ class VLMConfig:
                 or a field that fails validation.
         """
         model_type = hf.get("model_type")
-        families = [f for f in FAMILIES.values() if f.model_type == model_type]
+        families = [f for f in _all_families() if f.model_type == model_type]
         if not families:
-            supported = ", ".join(dict.fromkeys(f"{f.model_type} ({f.name})" for f in FAMILIES.values()))
+            supported = ", ".join(dict.fromkeys(f"{f.model_type} ({f.name})" for f in _all_families()))
             raise ValueError(f"model_type ({model_type!r}) is not supported; supported: {supported}")
         if "vision_config" not in hf:
             raise ValueError(f"a {families[0].name} config.json needs a vision_config")
@@ -247,7 +257,7 @@ class VLMConfig:
         family = next((f for f in families if vision_type in f.vision_model_types), None)
         if family is None:
             types = [t for f in families for t in f.vision_model_types]
-            owner = next((f for f in FAMILIES.values() if vision_type in f.vision_model_types), None)
+            owner = next((f for f in _all_families() if vision_type in f.vision_model_types), None)
             takes = f"{model_type!r} takes a vision_config of model_type {' / '.join(types)}"
             if owner is None:
                 raise ValueError(f"vision_config model_type ({vision_type!r}) is not supported: {takes}")
@@ -363,6 +373,18 @@ def _qwen3_vl_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
 
 def _qwen3_vl_to_hf(config: VLMConfig) -> dict[str, Any]:
     return _qwen_vl_to_hf(config, {**config.vision.to_hf(), "model_type": "qwen3_vl_vision"})
+
+
+# ---------------------------------------------------------------- Qwen3-VL-MoE
+
+
+def _qwen3_vl_moe_from_hf(hf: Mapping[str, Any]) -> VLMConfig:
+    llm, tokens = _qwen_vl_text_and_tokens(hf, "qwen3_vl_moe_text")
+    return VLMConfig(vision=Qwen3VisionConfig.from_hf(hf["vision_config"]), llm=llm, **tokens)
+
+
+def _qwen3_vl_moe_to_hf(config: VLMConfig) -> dict[str, Any]:
+    return _qwen_vl_to_hf(config, {**config.vision.to_hf(), "model_type": "qwen3_vl_moe_vision"})
 
 
 # ---------------------------------------------------------------- LLaVA
@@ -508,4 +530,27 @@ FAMILIES: dict[str, Family] = {
         projector_required=True,
     ),
 }
-"""The composed architectures by ``vision.type``."""
+"""The composed architectures by ``vision.type`` (the default of each, see :data:`FAMILY_VARIANTS`)."""
+
+FAMILY_VARIANTS: dict[str, tuple[Family, ...]] = {
+    "qwen3_vit": (
+        Family(
+            name="Qwen3-VL-MoE",
+            model_type="qwen3_vl_moe",
+            architecture="Qwen3VLMoeForConditionalGeneration",
+            vision_model_types=("qwen3_vl_moe_vision",),
+            projector="none",
+            mrope=True,
+            fields=_QWEN_VL_TOKENS,
+            from_hf=_qwen3_vl_moe_from_hf,
+            to_hf=_qwen3_vl_moe_to_hf,
+            mrope_interleaved=True,
+            llm_architecture="qwen3_vl_moe_text",
+        ),
+    ),
+}
+"""Other families of a ``vision.type``, picked by the LLM's ``architecture`` (:attr:`Family.llm_architecture`)."""
+
+
+def _all_families() -> list[Family]:
+    return [*FAMILIES.values(), *(f for variants in FAMILY_VARIANTS.values() for f in variants)]

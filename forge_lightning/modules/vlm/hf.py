@@ -118,6 +118,7 @@ _LLAVA_SKIPPED = (r"inv_freq$", r"^vision\.head\.")
 LAYOUTS: dict[str, Layout] = {
     "qwen2_5_vl": _QWEN_VL_LAYOUT,
     "qwen3_vl": _QWEN_VL_LAYOUT,
+    "qwen3_vl_moe": _QWEN_VL_LAYOUT,
     "llava": Layout(prefixes=_LLAVA_PREFIXES, skipped=_LLAVA_SKIPPED),
     "llava_onevision": Layout(
         prefixes={**_LLAVA_PREFIXES, "projector.image_newline": ("image_newline", "model.image_newline")},
@@ -130,8 +131,13 @@ LAYOUTS: dict[str, Layout] = {
 def from_pretrained(path: str | os.PathLike[str], *, attention_backend: str = "auto") -> VisionLanguageModel:
     """A :class:`VisionLanguageModel` built from the ``config.json`` in ``path`` and filled with its weights.
 
+    The model is built on the meta device and takes the checkpoint's tensors as its parameters (cast to fp32, the
+    dtype it builds in; see :func:`load_pretrained`), so it is never randomly initialised and, for an fp32
+    checkpoint, the host holds one copy of the weights.
+
     Args:
-        path: a Qwen2.5-VL, Qwen3-VL, LLaVA or LLaVA-OneVision checkpoint directory (``model.safetensors`` or a sharded index).
+        path: a Qwen2.5-VL, Qwen3-VL, Qwen3-VL-MoE, LLaVA or LLaVA-OneVision checkpoint directory
+            (``model.safetensors`` or a sharded index).
         attention_backend: see :class:`VisionLanguageModel`.
 
     Raises:
@@ -143,14 +149,29 @@ def from_pretrained(path: str | os.PathLike[str], *, attention_backend: str = "a
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"no config.json in {path}")
     config = VLMConfig.from_hf(json.loads((path / "config.json").read_text()))
-    model = VisionLanguageModel(config, attention_backend=attention_backend)
-    state = LAYOUTS[config.family.model_type].to_ours(load_hf_state_dict(path), f"checkpoint {path}")
+    with torch.device("meta"):
+        model = VisionLanguageModel(config, attention_backend=attention_backend)
+    return load_pretrained(model, path)
+
+
+def load_pretrained(model: VisionLanguageModel, path: str | os.PathLike[str]) -> VisionLanguageModel:
+    """Fill ``model`` (materialised, or built on the meta device) with the weights of the checkpoint in ``path``,
+    strictly (in place; also returned). The config is not compared: use :func:`from_pretrained` to build the model
+    the checkpoint describes.
+
+    Raises:
+        FileNotFoundError: no weights in ``path``.
+        ValueError: tensors are missing, unexpected or of the wrong shape (named).
+    """
+    path = Path(path)
+    state = LAYOUTS[model.config.family.model_type].to_ours(load_hf_state_dict(path), f"checkpoint {path}")
     parts = {c: {k[len(c) :]: v for k, v in state.items() if k.startswith(c)} for c in _COMPONENTS}
-    load_exact(model.vision, parts["vision."], what=f"the vision weights of {path}")
+    del state
+    load_exact(model.vision, parts.pop("vision."), what=f"the vision weights of {path}")
     load_exact(
-        model.projector, parts["projector."], what=f"the projector weights of {path}", owner="projector"
+        model.projector, parts.pop("projector."), what=f"the projector weights of {path}", owner="projector"
     )
-    load_hf_weights(model.llm, parts["llm."], source=f"checkpoint {path} (language model)")
+    load_hf_weights(model.llm, parts.pop("llm."), source=f"checkpoint {path} (language model)")
     return model
 
 

@@ -44,7 +44,7 @@ from forge_lightning.modules.layers.attention import document_lengths
 from forge_lightning.modules.llm.config import attention_flops_per_token, llm_flops_per_token
 from forge_lightning.modules.llm.generation import generate
 from forge_lightning.modules.llm.loss import LMLoss
-from forge_lightning.modules.llm.module import GenerationConfig
+from forge_lightning.modules.llm.module import GenerationConfig, router_loss_term
 from forge_lightning.modules.lora import LoRAConfig, apply_lora, merged_state_dict, save_adapter
 from forge_lightning.modules.objective import GlobalBatchLoss, TokenLossSteps
 from forge_lightning.modules.vlm.compose import build_vlm
@@ -223,6 +223,12 @@ class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.Lightnin
             elif settings.lora is not None:
                 self._peft[name] = apply_lora(module, settings.lora, base_model_name_or_path=self.pretrained)
         self._freeze_unused_vision()
+        moe = self.config.llm.moe
+        if moe is not None and moe.bias_update_rate:
+            raise ValueError(
+                f"llm.moe.bias_update_rate ({moe.bias_update_rate}) is not supported for a vision-language model: "
+                "its selection bias would stay fixed; set it to 0 (or balance with moe.aux_loss_coef)"
+            )
         self.objective = GlobalBatchLoss()
 
     def _freeze_unused_vision(self) -> None:
@@ -355,7 +361,12 @@ class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.Lightnin
     @override
     def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
         loss_sum, tokens = self.loss_sum(batch)
-        return self.objective.training_loss(self, batch, loss_sum, tokens)
+        loss = self.objective.training_loss(self, batch, loss_sum, tokens)
+        # A MoE LLM's router losses, over the tokens the attention mask keeps (as transformers counts them).
+        router = self.model.llm.router_losses(batch.get("attention_mask"))
+        if router is None:
+            return loss
+        return loss + router_loss_term(self, self.config.llm, router).to(loss.dtype)
 
     @override
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
