@@ -105,6 +105,9 @@ def test_pipeline_places_the_encoder_side(runs):
     # the last stage steps its LLM layers, and with the spread encoder side its replica too
     assert spread[1]["optimizer_params"] == first[1]["optimizer_params"] + encoder_params
     assert spread[0]["optimizer_params"] == first[0]["optimizer_params"]
+    # megatron's gradient norm counts the replicas once (the later stage's are marked `shared`)
+    norms = {name: _losses(runs, name, "train/grad_norm") for name in ("pp2", "pp2_first_stage")}
+    assert len(norms["pp2"]) == 3 and norms["pp2"] == pytest.approx(norms["pp2_first_stage"], rel=1e-6)
     tp = [torch.load(runs / f"tp2_rank{r}.pt") for r in (0, 1)]
     assert not tp[0]["decoupled"] and tp[0]["encoders"] == tp[1]["encoders"] == ["projector", "vision"]
 

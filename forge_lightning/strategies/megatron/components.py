@@ -440,11 +440,11 @@ class Components:
         for r in side:
             _prepare_encoder_component(r)
         modules = nn.ModuleDict({r.component.name: r.component.module for r in side}).to(device)
-        if self.spread:
-            # megatron's gradient norm sums over TP x PP and skips `shared` parameters (as a tied embedding's copy on
-            # the last stage): each replicated parameter is counted on the first stage only.
-            for param in modules.parameters():
-                param.shared = not first
+        # megatron's gradient norm sums over TP x PP and skips `shared` parameters (as a tied embedding's copy on the
+        # last stage): spread, each replicated parameter is counted on the first stage only (set on every setup, so
+        # that a later fit at another layout counts them again).
+        for param in modules.parameters():
+            param.shared = self.spread and not first
         if not any(p.requires_grad for p in modules.parameters()):
             return
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
