@@ -130,22 +130,6 @@ def test_pipeline_stages_encode_their_share(runs):
     assert tp == [{"train": steps * 3 * 2, "eval": val_batches * 2}] * 2
 
 
-@pytest.mark.parametrize(
-    ("sizes", "size", "expected"),
-    [
-        ([3, 3, 3], 2, [[(0, [0, 1, 2]), (1, [0])], [(1, [1, 2]), (2, [0, 1, 2])]]),
-        ([1, 1, 1, 1], 4, [[(0, [0])], [(1, [0])], [(2, [0])], [(3, [0])]]),  # one sample per micro-batch
-        ([2], 4, [[], [(0, [0])], [], [(0, [1])]]),  # fewer samples than ranks: some encode none
-        ([4, 1], 2, [[(0, [0, 1])], [(0, [2, 3]), (1, [0])]]),
-    ],
-)
-def test_step_shares_cover_the_step_once(sizes, size, expected):
-    shares = [[(m, rows.tolist()) for m, rows in step_shares(sizes, r, size)] for r in range(size)]
-    assert shares == expected
-    flat = [(m, i) for share in shares for m, rows in share for i in rows]
-    assert flat == [(m, i) for m, count in enumerate(sizes) for i in range(count)]
-
-
 def test_encoder_placement_is_checked():
     assert parse_placement(None, 2) == "spread" and parse_placement("first_stage", 4) == "first_stage"
     with pytest.raises(ValueError, match="encoder_placement must be one of"):

@@ -326,7 +326,9 @@ class GatherSamples(torch.autograd.Function):
         return grad.chunk(ctx.size)[ctx.rank].contiguous(), None
 
 
-def encode_over_group(composition: Composition, batch: dict[str, Tensor], group: Any) -> Tensor:
+def encode_over_group(
+    composition: Composition, batch: dict[str, Tensor], group: Any, dtype: torch.dtype | None = None
+) -> Tensor:
     """``composition.encode(batch)``, each rank of ``group`` encoding its :func:`sample_rows` (taken by
     ``composition.select``) and all of them the gathered result.
 
@@ -334,14 +336,18 @@ def encode_over_group(composition: Composition, batch: dict[str, Tensor], group:
         composition: the module's composition.
         batch: one micro-batch, the same on every rank of ``group``; its size is that of ``input_ids``.
         group: the ranks sharing the work (the decoder's TP group).
+        dtype: the dtype each rank's encoding is cast to before the gather (``None``: as encoded). Under autocast a
+            share without encoder work (a VLM's samples without images) gives zeros in the parameters' dtype and the
+            others the autocast dtype, which the gather cannot join.
     """
     size = dist.get_world_size(group)
     if size == 1:
-        return composition.encode(batch)
+        encoded = composition.encode(batch)
+        return encoded if dtype is None else encoded.to(dtype)
     batch_size = batch["input_ids"].shape[0]
     rows = sample_rows(batch_size, dist.get_rank(group), size)
     local = composition.encode(composition.select(batch, rows))
-    return GatherSamples.apply(local, group)[:batch_size]
+    return GatherSamples.apply(local if dtype is None else local.to(dtype), group)[:batch_size]
 
 
 # ------------------------------------------------------------------------------------------------ runtime
@@ -386,6 +392,8 @@ class Components:
         # The encoder side's megatron DDP (none when all of it is frozen, or on a later pipeline stage).
         self.encoder_ddp: list[nn.Module] = []
         self._bf16 = bf16
+        # In bf16 runs the encodings travel in bf16, the dtype the twin's merge casts them to anyway.
+        self._dtype = torch.bfloat16 if bf16 else None
         # With pipeline parallelism the encoder side runs apart from the schedule: spread over the stages, or on
         # the first stage only.
         self.decoupled = self.composed and dims.pp > 1
@@ -462,7 +470,8 @@ class Components:
     def encode(self, batch: dict[str, Tensor]) -> Tensor:
         """The composition's ``encode`` of one micro-batch, each rank of the decoder's TP group encoding a share of
         its samples (:func:`encode_over_group`); under autocast in bf16 runs (the encoder side keeps fp32
-        parameters, which megatron's optimizer steps as fp32). The twin's forward step calls it."""
+        parameters, which megatron's optimizer steps as fp32), its output cast to bf16. The twin's forward step
+        calls it."""
         from megatron.core import parallel_state
 
         assert self.composition is not None
@@ -471,7 +480,7 @@ class Components:
         group = parallel_state.get_tensor_model_parallel_group()
         self._count(-(-batch["input_ids"].shape[0] // dist.get_world_size(group)))
         with self._autocast(batch["input_ids"].device):
-            return encode_over_group(self.composition, batch, group)
+            return encode_over_group(self.composition, batch, group, self._dtype)
 
     def encode_ahead(self, batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """With pipeline parallelism, encode every micro-batch of the step before the schedule runs (first stage;
@@ -519,7 +528,8 @@ class Components:
         def encode_rows(m: int, rows: Tensor) -> Tensor:
             self._count(len(rows))
             with self._autocast(device):
-                return composition.encode(composition.select(batches[m], rows))
+                encoded = composition.encode(composition.select(batches[m], rows))
+            return encoded if self._dtype is None else encoded.to(self._dtype)
 
         # Every rank decides alike: the encoder side has trainable parameters and the schedule back-propagates.
         requires_grad = torch.is_grad_enabled() and bool(self.encoder_ddp)

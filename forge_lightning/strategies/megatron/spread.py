@@ -82,7 +82,7 @@ class SpreadStep:
     Args:
         shares: ``shares[p][t]``: the ``(micro-batch, rows)`` of rank (p, t).
         shapes: one sample's encoding shape, per micro-batch.
-        dtype: the encodings' dtype.
+        dtype: the dtype the encodings travel in (the widest of the ranks').
         device: where the features and their gradients travel.
         pieces: this rank's encodings of its shares (their graph kept in training), in share order.
         leaves: on the first stage, each micro-batch's gathered features (what the schedule reads); empty elsewhere.
@@ -131,6 +131,8 @@ def encode_spread(
     shares = [[step_shares(sizes, p * tp + t, num_stages * tp) for t in range(tp)] for p in range(num_stages)]
     pieces = [encode_rows(m, rows) for m, rows in shares[stage][rank]]
     shapes, dtype = _exchange_shapes(sizes, shares[stage][rank], pieces, groups, device)
+    # differentiable: the gradients come back in each piece's own dtype
+    pieces = [piece.to(dtype) for piece in pieces]
     step = SpreadStep(shares=shares, shapes=shapes, dtype=dtype, device=device, pieces=pieces, leaves=[])
     flat = _pad(torch.cat([p.detach().reshape(-1) for p in pieces] or [_empty(step, device)]), step.padded)
     stage_parts = [torch.empty_like(flat) for _ in range(tp)]
@@ -182,8 +184,8 @@ def _exchange_shapes(
     groups: StageGroups,
     device: torch.device,
 ) -> tuple[list[tuple[int, ...]], torch.dtype]:
-    """Every micro-batch's encoding shape (of one sample) and the encodings' dtype, from the ranks that encoded it
-    (a rank knows the shapes of its own pieces only). Two small all-gathers, over the TP then the PP group."""
+    """Every micro-batch's encoding shape (of one sample) and the dtype the encodings travel in, from the ranks that
+    encoded them (a rank knows its own pieces only). Two small all-gathers, over the TP then the PP group."""
     meta = torch.full((len(sizes), 2 + _MAX_DIMS), -1, dtype=torch.long)
     for (m, _), piece in zip(mine, pieces, strict=True):
         if piece.ndim - 1 > _MAX_DIMS or piece.dtype not in _DTYPES:
@@ -210,10 +212,13 @@ def _exchange_shapes(
                 "encode must give every sample the same shape whatever part of the batch it encodes"
             )
         shapes.append(given.pop())
-    dtypes = {int(code) for code in rows[..., 0].flatten().tolist() if code >= 0}
-    if len(dtypes) != 1:
-        raise ValueError(f"the ranks' encodings have different dtypes {[str(_DTYPES[c]) for c in dtypes]}")
-    return shapes, _DTYPES[dtypes.pop()]
+    # Under autocast a share without encoder work (a VLM's samples without images) gives zeros in the parameters'
+    # dtype, the others the autocast dtype: all travel in the wider one.
+    dtypes = [_DTYPES[int(code)] for code in rows[..., 0].flatten().tolist() if code >= 0]
+    common = dtypes[0]
+    for dtype in dtypes[1:]:
+        common = torch.promote_types(common, dtype)
+    return shapes, common
 
 
 def _assemble(step: SpreadStep, blocks: Tensor, sizes: Sequence[int]) -> list[Tensor]:
