@@ -1,15 +1,20 @@
 """A LLaVA-type vision-language model (SigLIP tower + MLP projector + Llama) under MegatronStrategy trains to the
 one-process losses and weights.
 
-One 2-process launch (vlm_worker.py, ~15 s) runs both cases; the reference is the same ``VisionLanguageModule`` under
+One 2-process launch (vlm_worker.py, ~20 s) runs every case; the reference is the same ``VisionLanguageModule`` under
 Lightning's default strategy on this process, with the same batches (fp32, AdamW lr 1e-3, 3 steps of 3 micro-batches
 of 3 samples holding 0, 1 and 2 images, validation on 2 batches after every step):
 
-    tp2   the LLM at TP 2, the encoder side at TP 1 data-parallel over the TP group (rank 0 encodes samples 0-1, rank 1
-          sample 2 and a padding copy of it; the features all-gathered), the vision blocks recomputed
-    pp2   the LLM at PP 2 (1F1B), the encoder side on the first stage, decoupled from the pipeline: the 3 micro-batches
-          encoded before the schedule, back-propagated after it from the gradients of its outputs; a checkpoint after
-          the last step, which ``validate_pp2_at_tp2`` loads at TP 2
+    tp2              the LLM at TP 2, the encoder side at TP 1 data-parallel over the TP group (rank 0 encodes
+                     samples 0-1, rank 1 sample 2 and a padding copy of it; the features all-gathered), the vision
+                     blocks recomputed
+    pp2              the LLM at PP 2 (1F1B), the encoder side decoupled from the pipeline and spread over both stages
+                     (the default): each stage encodes its run of the step's 9 samples (4 and 5) before the schedule,
+                     the features gathered on the first stage, their gradients sent back after it and each stage
+                     back-propagating its own; a checkpoint after the last step, which ``validate_pp2_at_tp2`` loads
+                     at TP 2
+    pp2_first_stage  PP 2 with ``encoder_placement: first_stage``: the first stage encodes the 3 micro-batches before
+                     the schedule and back-propagates them after it, the last holds no encoder side
 """
 
 import csv
@@ -24,6 +29,8 @@ from vlm_worker import CASES, IMAGE_TOKEN, build_module, collate, data, fit_kwar
 from forge_lightning.contracts import MegatronBuild, MegatronDims
 from forge_lightning.modules.vlm import VisionLanguageModule
 from forge_lightning.modules.vlm.megatron import encode, merge, select
+from forge_lightning.strategies.megatron.components import parse_placement
+from forge_lightning.strategies.megatron.spread import step_shares
 
 HERE = Path(__file__).resolve().parent
 LOSS_TOL = 1e-5  # |train/loss or val/loss - one process| per step, as test_components.py (measured <= 1e-6)
@@ -55,7 +62,7 @@ def reference(runs):
     return _losses(runs, "reference"), _losses(runs, "reference", "val/loss"), state
 
 
-@pytest.mark.parametrize("name", ["tp2", "pp2"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "pp2_first_stage"])
 def test_vlm_matches_one_process(runs, reference, name):
     expected, expected_val, expected_state = reference
     losses, val = _losses(runs, name), _losses(runs, name, "val/loss")
@@ -76,20 +83,64 @@ def test_vlm_matches_one_process(runs, reference, name):
         assert any(k.startswith("model.vision.") for k in trained) and any(
             k.startswith("model.projector.") for k in trained
         )
+        # The rank's own replica of the encoder side (the state above is global rank 0's, copied to every rank).
+        replica = torch.load(runs / f"{name}_rank{rank}.pt")["encoder_state"]
+        for key, value in replica.items():
+            assert (value - expected_state[key]).abs().max() <= PARAM_TOL, (rank, key)
 
 
-def test_pipeline_runs_the_encoder_side_on_the_first_stage_only(runs):
-    first, last = (torch.load(runs / f"pp2_rank{r}.pt") for r in (0, 1))
-    assert first["decoupled"] and last["decoupled"]
-    assert first["encoders"] == ["projector", "vision"] and last["encoders"] == []
-    assert first["optimizer_params"] > last["optimizer_params"]  # the last stage steps its LLM layers only
+def test_pipeline_places_the_encoder_side(runs):
+    """Spread (the default): both stages hold the encoder side and step it; first_stage: the first only."""
+    spread = [torch.load(runs / f"pp2_rank{r}.pt") for r in (0, 1)]
+    first = [torch.load(runs / f"pp2_first_stage_rank{r}.pt") for r in (0, 1)]
+    assert all(run["decoupled"] for run in spread + first)
+    assert [run["spread"] for run in spread + first] == [True, True, False, False]
+    assert [run["encoders"] for run in spread] == [["projector", "vision"]] * 2
+    assert [run["encoders"] for run in first] == [["projector", "vision"], []]
+    assert [len(run["encoder_state"]) for run in spread] == [len(first[0]["encoder_state"])] * 2
+    model = build_module().model
+    encoder_params = sum(
+        1 for m in (model.vision, model.projector) for p in m.parameters() if p.requires_grad
+    )
+    # the last stage steps its LLM layers, and with the spread encoder side its replica too
+    assert spread[1]["optimizer_params"] == first[1]["optimizer_params"] + encoder_params
+    assert spread[0]["optimizer_params"] == first[0]["optimizer_params"]
+    # megatron's gradient norm counts the replicas once (the later stage's are marked `shared`)
+    norms = {name: _losses(runs, name, "train/grad_norm") for name in ("pp2", "pp2_first_stage")}
+    assert len(norms["pp2"]) == 3 and norms["pp2"] == pytest.approx(norms["pp2_first_stage"], rel=1e-6)
     tp = [torch.load(runs / f"tp2_rank{r}.pt") for r in (0, 1)]
     assert not tp[0]["decoupled"] and tp[0]["encoders"] == tp[1]["encoders"] == ["projector", "vision"]
 
 
+def test_pipeline_stages_encode_their_share(runs):
+    """The samples each rank's encoder saw: spread, each stage its run of every step (training: the step's 3 x 3
+    samples, 4 and 5; evaluation: a batch of 3, 1 and 2), none twice; first_stage, the first stage all of them; at TP 2
+    each rank ceil(3 / 2) of every micro-batch (the second pads with a copy)."""
+    steps, val_batches = 3, 3 * 2  # 2 validation batches after each of the 3 steps
+    train_shares = [sum(len(rows) for _, rows in step_shares([3, 3, 3], r, 2)) for r in (0, 1)]
+    eval_shares = [sum(len(rows) for _, rows in step_shares([3], r, 2)) for r in (0, 1)]
+    assert train_shares == [4, 5] and eval_shares == [1, 2]
+    spread = [torch.load(runs / f"pp2_rank{r}.pt")["encoded_samples"] for r in (0, 1)]
+    assert spread == [
+        {"train": steps * train_shares[r], "eval": val_batches * eval_shares[r]} for r in (0, 1)
+    ]
+    first = [torch.load(runs / f"pp2_first_stage_rank{r}.pt")["encoded_samples"] for r in (0, 1)]
+    assert first == [{"train": steps * 9, "eval": val_batches * 3}, {}]
+    tp = [torch.load(runs / f"tp2_rank{r}.pt")["encoded_samples"] for r in (0, 1)]
+    assert tp == [{"train": steps * 3 * 2, "eval": val_batches * 2}] * 2
+
+
+def test_encoder_placement_is_checked():
+    assert parse_placement(None, 2) == "spread" and parse_placement("first_stage", 4) == "first_stage"
+    with pytest.raises(ValueError, match="encoder_placement must be one of"):
+        parse_placement("last_stage", 2)
+    with pytest.raises(ValueError, match="pipeline_model_parallel_size is 1"):
+        parse_placement("spread", 1)
+
+
 def test_pipeline_checkpoint_loads_at_another_layout(runs):
-    """pp2's checkpoint after its last step (the encoder side written by the first stage, the LLM by both) validates
-    at TP 2 to pp2's own val/loss after that step."""
+    """pp2's checkpoint after its last step (the encoder side, held by both stages, written once by the first; the
+    LLM by both) validates at TP 2 to pp2's own val/loss after that step."""
     assert _losses(runs, "validate_pp2_at_tp2", "val/loss") == {0: _losses(runs, "pp2", "val/loss")[2]}
 
 

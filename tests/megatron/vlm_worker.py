@@ -4,7 +4,8 @@ MegatronStrategy, one ``Trainer.fit`` per case in the same processes (megatron-c
 ``python -m torch.distributed.run --nproc-per-node 2 vlm_worker.py OUT_DIR CASE...`` (gloo, CPU shim; cases from
 :data:`CASES`). Each case writes its CSV log under ``OUT_DIR/CASE`` (global rank 0) and, per rank,
 ``OUT_DIR/CASE_rank{r}.pt``: the module's state dict after the fit (the strategy copies the trained weights into
-it), the encoder-side components this rank held and the number of parameters its optimizer steps.
+it), the encoder-side components this rank held, their weights on this rank (its replica, before that copy), the
+samples it encoded in training and evaluation and the number of parameters its optimizer steps.
 test_vlm.py compares them with the same module trained on one process.
 """
 
@@ -31,11 +32,13 @@ SEQ = 16
 # strategy: MegatronStrategy options; batch 3 and accumulate 3: the second TP rank pads its share, and 1F1B runs a
 # warm-up, a steady state and a cool-down over the step's 3 micro-batches. DP = 1 in both: the global batch is the
 # one-process reference's.
-# pp2 also saves a checkpoint after its last step (the encoder side from the first stage only), which
-# validate_pp2_at_tp2 loads at TP 2 for Trainer.validate.
+# pp2 spreads the encoder side over both stages (the default), pp2_first_stage keeps it on the first. pp2 also saves
+# a checkpoint after its last step (the encoder side written once, by the first stage), which validate_pp2_at_tp2
+# loads at TP 2 for Trainer.validate.
 CASES = {
     "tp2": dict(strategy=dict(tensor_model_parallel_size=2, components={"vision": {"recompute": "full"}})),
     "pp2": dict(strategy=dict(pipeline_model_parallel_size=2), checkpoint=True),
+    "pp2_first_stage": dict(strategy=dict(pipeline_model_parallel_size=2, encoder_placement="first_stage")),
     "validate_pp2_at_tp2": dict(strategy=dict(tensor_model_parallel_size=2), validate="pp2"),
 }
 BATCH, ACCUMULATE = 3, 3
@@ -98,7 +101,13 @@ def run_case(out: Path, name: str) -> None:
         def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
             parts = trainer.strategy._components
             held["encoders"] = sorted(parts.encoder_modules())
-            held["decoupled"] = parts.decoupled
+            held["encoder_state"] = {
+                f"model.{name}.{k}": v.detach().cpu().clone()
+                for name, sub in parts.encoder_modules().items()
+                for k, v in sub.state_dict().items()
+            }
+            held["encoded_samples"] = dict(parts.encoded_samples)
+            held["decoupled"], held["spread"] = parts.decoupled, parts.spread
             inner = torch_optimizers(trainer.strategy.optimizers[0])
             held["optimizer_params"] = sum(len(g["params"]) for opt in inner for g in opt.param_groups)
 

@@ -191,14 +191,23 @@ def _saved_whole(entry: Any, sharded_tensor: type) -> bool:
 
 
 def _replicated(module: nn.Module, name: str) -> dict[str, Any]:
-    """``module``'s state as tensors replicated over the TP x DP group, keyed ``components.<name>.<parameter>``.
+    """``module``'s state as replicated tensors, keyed ``components.<name>.<parameter>``.
 
-    megatron's replica id of an unsharded tensor is ``(0, TP rank, DP rank)``: only TP rank 0 of DP rank 0 writes
-    it, every rank reads it whole. ``keep_vars``: the optimizer finds its parameters among these tensors.
+    megatron's replica id of an unsharded tensor is ``(0, TP rank, DP rank)``; its first entry is set to the pipeline
+    rank here, as the encoder side spread over the stages has a replica on each: only TP rank 0 of DP rank 0 of the
+    first stage writes it, every rank reads it whole. ``keep_vars``: the optimizer finds its parameters among these
+    tensors (and takes their replica ids for its state).
     """
+    from megatron.core import parallel_state
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
 
-    return make_sharded_tensors_for_checkpoint(module.state_dict(keep_vars=True), f"{COMPONENTS_KEY}.{name}.")
+    state = make_sharded_tensors_for_checkpoint(
+        module.state_dict(keep_vars=True), f"{COMPONENTS_KEY}.{name}."
+    )
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    for entry in state.values():
+        entry.replica_id = (stage, *entry.replica_id[1:])
+    return state
 
 
 def _optimizer_state(

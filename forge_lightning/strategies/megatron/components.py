@@ -18,15 +18,26 @@ Which samples a rank encodes is cut by the composition's ``select`` (default: ev
 the batch size; a VLM takes each sample's own images from the batch's image tensor).
 
 Pipeline parallelism (the decoupled encoder). With PP > 1 only the first stage merges the encoder's output into the
-decoder's input, so only its ranks hold the encoder side (its DDP, optimizer state, checkpoint entries). Its forward
-and backward run apart from megatron's schedule, so that they take no place in the first stage's pipeline slots::
+decoder's input. The encoder side's forward and backward run apart from megatron's schedule, so that they take no
+place in the pipeline's slots, and where is the strategy's ``encoder_placement``::
 
-    encode_ahead     every micro-batch of the step encoded (over the TP group, as above); graph kept, each output
-                     handed to the schedule as a detached leaf that requires grad
-    the schedule     1F1B over the micro-batches; the first stage's forward step reads the leaf, its backward leaves
-                     the gradient of the loss w.r.t. the encoder output on it
-    backward_ahead   torch.autograd.backward(outputs, leaf gradients) through the encoder side, then its gradient
-                     all-reduce and scaling (deferred from the schedule's gradient finalisation)
+    encode_ahead     every micro-batch of the step encoded before the schedule; graph kept, each output handed to
+                     the first stage's forward step as a detached leaf that requires grad
+                       spread (default)  every stage holds the encoder side; the TP x PP ranks each encode a run of
+                                         the step's samples, gathered on the first stage (spread.py)
+                       first_stage       only the first stage holds it and encodes all of them (over its TP group)
+    the schedule     1F1B over the micro-batches; the first stage's backward leaves the gradient of the loss w.r.t.
+                     the encoder output on each leaf
+    backward_ahead   the encoder side back-propagated from those gradients (spread: each rank its own rows', sent
+                     back from the first stage), then its gradient all-reduce and scaling (deferred from the
+                     schedule's gradient finalisation)
+
+``first_stage`` leaves the later stages idle while the first encodes: a bubble of (PP - 1) x the step's encoder time
+(forward before the schedule, backward after it); ``spread`` gives every rank 1 / (TP x PP) of the step's samples
+(the runs differ by one sample at most; no padding) for one gather of the features and one scatter of their
+gradients over the PP group. The encoder side's replicas then span TP x PP x DP: its DDP reduces over all of them,
+and on the later stages its parameters are marked ``shared`` so that megatron's gradient norm (summed over TP x PP)
+counts them once.
 
 The later stages take their labels from ``batch["labels"]``: the composition's merge must keep the text positions and
 their labels (a VLM's features in place of its placeholder tokens do; a merge that prepends positions is refused).
@@ -46,8 +57,9 @@ trainable parameters (frozen ones have ``requires_grad`` off and get no state); 
 parameter once (on TP rank 0), as megatron does for the twin's replicated norms.
 
 Checkpoints. The encoder side's parameters (frozen ones too) are saved in the same megatron dist-checkpoint as the
-twin, under ``components.<name>.<parameter>`` as tensors replicated over the TP x DP group (only TP rank 0 of DP
-rank 0 writes them), and their optimizer state beside them (see checkpoint.py); they load at any decoder layout.
+twin, under ``components.<name>.<parameter>`` as replicated tensors (only TP rank 0 of DP rank 0 of the first stage
+writes them), and their optimizer state beside them (see checkpoint.py); they load at any decoder layout and
+placement.
 ``full_model_state_dict`` gives the LightningModule's own state-dict names (:meth:`Components.full_state_dict`),
 the twin's part from its ``state_dict`` (under the decoder component's names).
 
@@ -65,6 +77,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from collections import Counter
 from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Any
@@ -76,9 +89,12 @@ from torch import Tensor, nn
 from forge_lightning.contracts import Component, Composition, MegatronDims, ParallelPlan, PlannedModule
 from forge_lightning.contracts.megatron import RECOMPUTE
 from forge_lightning.performance.transforms import apply_activation_checkpointing
+from forge_lightning.strategies.megatron.spread import SpreadStep, StageGroups, backward_spread, encode_spread
 from forge_lightning.strategies.megatron.wrapping import chunk_config
 
 OPTIONS = ("tensor_model_parallel_size", "recompute", "freeze")
+# Where the encoder side runs with pipeline parallelism (the strategy's encoder_placement; None: the first).
+PLACEMENTS = ("spread", "first_stage")
 # Batch key of a micro-batch's encoder output computed ahead of the pipeline schedule (Components.encode_ahead).
 ENCODED = "_forge_encoded"
 # Marks a block already wrapped for recompute (the strategy's setup runs once per fit / validate call).
@@ -152,6 +168,25 @@ def parse_components(
             raise ValueError(f"components.{name}.freeze must be true, false or null, got {freeze!r}")
         parsed[name] = ComponentOptions(tensor_model_parallel_size=tp, recompute=recompute, freeze=freeze)
     return parsed
+
+
+def parse_placement(placement: str | None, pipeline_model_parallel_size: int) -> str:
+    """The strategy's ``encoder_placement``: ``spread`` (the default) or ``first_stage`` (see the module docstring).
+
+    Raises:
+        ValueError: another value, or a value set without pipeline parallelism (where it would do nothing).
+    """
+    if placement is None:
+        return PLACEMENTS[0]
+    if placement not in PLACEMENTS:
+        raise ValueError(f"encoder_placement must be one of {list(PLACEMENTS)}, got {placement!r}")
+    if pipeline_model_parallel_size == 1:
+        raise ValueError(
+            f"encoder_placement={placement!r} places a composed model's encoder side over the pipeline stages, but "
+            "pipeline_model_parallel_size is 1 (the encoder side then runs in the decoder's forward step, shared "
+            "by its TP group); leave encoder_placement unset"
+        )
+    return placement
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -256,8 +291,8 @@ def _check_composed_layout(dims: MegatronDims) -> None:
     if dims.pp > 1 and dims.use_distributed_optimizer:
         raise NotImplementedError(
             f"use_distributed_optimizer with pipeline_model_parallel_size={dims.pp} is not yet supported with a "
-            "composed model: the encoder side lives on the first pipeline stage only, so the stages' chained "
-            "optimizers would differ; use the plain optimizer or pipeline_model_parallel_size=1"
+            "composed model: the encoder side's own optimizer, chained with the twin's, is not yet tested over "
+            "pipeline stages; use the plain optimizer or pipeline_model_parallel_size=1"
         )
 
 
@@ -291,7 +326,9 @@ class GatherSamples(torch.autograd.Function):
         return grad.chunk(ctx.size)[ctx.rank].contiguous(), None
 
 
-def encode_over_group(composition: Composition, batch: dict[str, Tensor], group: Any) -> Tensor:
+def encode_over_group(
+    composition: Composition, batch: dict[str, Tensor], group: Any, dtype: torch.dtype | None = None
+) -> Tensor:
     """``composition.encode(batch)``, each rank of ``group`` encoding its :func:`sample_rows` (taken by
     ``composition.select``) and all of them the gathered result.
 
@@ -299,14 +336,18 @@ def encode_over_group(composition: Composition, batch: dict[str, Tensor], group:
         composition: the module's composition.
         batch: one micro-batch, the same on every rank of ``group``; its size is that of ``input_ids``.
         group: the ranks sharing the work (the decoder's TP group).
+        dtype: the dtype each rank's encoding is cast to before the gather (``None``: as encoded). Under autocast a
+            share without encoder work (a VLM's samples without images) gives zeros in the parameters' dtype and the
+            others the autocast dtype, which the gather cannot join.
     """
     size = dist.get_world_size(group)
     if size == 1:
-        return composition.encode(batch)
+        encoded = composition.encode(batch)
+        return encoded if dtype is None else encoded.to(dtype)
     batch_size = batch["input_ids"].shape[0]
     rows = sample_rows(batch_size, dist.get_rank(group), size)
     local = composition.encode(composition.select(batch, rows))
-    return GatherSamples.apply(local, group)[:batch_size]
+    return GatherSamples.apply(local if dtype is None else local.to(dtype), group)[:batch_size]
 
 
 # ------------------------------------------------------------------------------------------------ runtime
@@ -324,13 +365,20 @@ class Components:
         options: the parsed ``components`` option.
         dims: the strategy's layout.
         bf16: the run trains in bf16 (the encoder side then computes under autocast).
+        placement: the parsed ``encoder_placement`` (:func:`parse_placement`).
 
     Raises:
         TypeError: the module declares no parallel plan.
     """
 
     def __init__(
-        self, module: nn.Module, options: Mapping[str, ComponentOptions], dims: MegatronDims, *, bf16: bool
+        self,
+        module: nn.Module,
+        options: Mapping[str, ComponentOptions],
+        dims: MegatronDims,
+        *,
+        bf16: bool,
+        placement: str = PLACEMENTS[0],
     ) -> None:
         if not isinstance(module, PlannedModule):
             raise TypeError(
@@ -344,12 +392,19 @@ class Components:
         # The encoder side's megatron DDP (none when all of it is frozen, or on a later pipeline stage).
         self.encoder_ddp: list[nn.Module] = []
         self._bf16 = bf16
-        # With pipeline parallelism the encoder side runs apart from the schedule, on the first stage only.
+        # In bf16 runs the encodings travel in bf16, the dtype the twin's merge casts them to anyway.
+        self._dtype = torch.bfloat16 if bf16 else None
+        # With pipeline parallelism the encoder side runs apart from the schedule: spread over the stages, or on
+        # the first stage only.
         self.decoupled = self.composed and dims.pp > 1
+        self.spread = self.decoupled and placement == "spread"
         self._holds_encoders = True
-        # (encoder output with its graph, the leaf the twin reads) of each micro-batch encoded ahead
+        # first_stage: (encoder output with its graph, the leaf the twin reads) of each micro-batch encoded ahead
         self._ahead: list[tuple[Tensor, Tensor]] = []
+        self._spread_step: SpreadStep | None = None  # spread: the step's shares, pieces and leaves
         self._tokens: Tensor | None = None
+        # The samples this rank passed to the composition's encode, in training and in evaluation (its encoder work).
+        self.encoded_samples: Counter[str] = Counter()
 
     @property
     def composed(self) -> bool:
@@ -383,15 +438,21 @@ class Components:
         side = self._encoder_side()
         if not side:
             return
-        # Only the first pipeline stage merges the encoder's output into the decoder's input: later stages hold no
-        # encoder side (no gradient, no optimizer state, nothing in their checkpoint shards).
-        self._holds_encoders = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        # Only the first pipeline stage merges the encoder's output into the decoder's input: placed there, later
+        # stages hold no encoder side (no gradient, no optimizer state, nothing in their checkpoint shards).
+        first = parallel_state.is_pipeline_first_stage(ignore_virtual=True)
+        self._holds_encoders = first or self.spread
         self.encoder_ddp = []
         if not self._holds_encoders:
             return
         for r in side:
             _prepare_encoder_component(r)
         modules = nn.ModuleDict({r.component.name: r.component.module for r in side}).to(device)
+        # megatron's gradient norm sums over TP x PP and skips `shared` parameters (as a tied embedding's copy on the
+        # last stage): spread, each replicated parameter is counted on the first stage only (set on every setup, so
+        # that a later fit at another layout counts them again).
+        for param in modules.parameters():
+            param.shared = self.spread and not first
         if not any(p.requires_grad for p in modules.parameters()):
             return
         ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True, overlap_grad_reduce=False)
@@ -400,7 +461,7 @@ class Components:
             ddp_config,
             modules,
             disable_bucketing=True,
-            pg_collection=_replica_groups(),
+            pg_collection=_replica_groups(spread=self.spread),
         )
         ddp.broadcast_params()
         self.encoder_ddp = [ddp]
@@ -409,16 +470,17 @@ class Components:
     def encode(self, batch: dict[str, Tensor]) -> Tensor:
         """The composition's ``encode`` of one micro-batch, each rank of the decoder's TP group encoding a share of
         its samples (:func:`encode_over_group`); under autocast in bf16 runs (the encoder side keeps fp32
-        parameters, which megatron's optimizer steps as fp32). The twin's forward step calls it."""
+        parameters, which megatron's optimizer steps as fp32), its output cast to bf16. The twin's forward step
+        calls it."""
         from megatron.core import parallel_state
 
         assert self.composition is not None
         if ENCODED in batch:  # encoded ahead of the schedule (encode_ahead)
             return batch[ENCODED]
+        group = parallel_state.get_tensor_model_parallel_group()
+        self._count(-(-batch["input_ids"].shape[0] // dist.get_world_size(group)))
         with self._autocast(batch["input_ids"].device):
-            return encode_over_group(
-                self.composition, batch, parallel_state.get_tensor_model_parallel_group()
-            )
+            return encode_over_group(self.composition, batch, group, self._dtype)
 
     def encode_ahead(self, batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
         """With pipeline parallelism, encode every micro-batch of the step before the schedule runs (first stage;
@@ -427,7 +489,11 @@ class Components:
         encoder side after the schedule. The encoder thus takes no place in the pipeline's slots: its forward and
         backward do not stretch the first stage's share of every micro-batch. Under ``no_grad`` (evaluation) no
         graph is kept."""
-        if not self.decoupled or not self._holds_encoders:
+        if not self.decoupled:
+            return batches
+        if self.spread:
+            return self._encode_spread(batches)
+        if not self._holds_encoders:
             return batches
         self._ahead, ahead = [], []
         for batch in batches:
@@ -444,11 +510,38 @@ class Components:
         deferred that part)."""
         if not self.decoupled:
             return
+        step, self._spread_step = self._spread_step, None
+        if step is not None:
+            backward_spread(step, _stage_groups())
         pairs, self._ahead = [p for p in self._ahead if p[1].grad is not None], []
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [leaf.grad for _, leaf in pairs])
         self._finish_encoders(self._tokens)
         self._tokens = None
+
+    def _encode_spread(self, batches: list[dict[str, Tensor]]) -> list[dict[str, Tensor]]:
+        """:meth:`encode_ahead` with ``encoder_placement: spread`` (spread.py): this rank's run of the step's samples,
+        every micro-batch's features gathered on the first stage."""
+        assert self.composition is not None
+        composition, device = self.composition, batches[0]["input_ids"].device
+
+        def encode_rows(m: int, rows: Tensor) -> Tensor:
+            self._count(len(rows))
+            with self._autocast(device):
+                encoded = composition.encode(composition.select(batches[m], rows))
+            return encoded if self._dtype is None else encoded.to(self._dtype)
+
+        # Every rank decides alike: the encoder side has trainable parameters and the schedule back-propagates.
+        requires_grad = torch.is_grad_enabled() and bool(self.encoder_ddp)
+        sizes = [batch["input_ids"].shape[0] for batch in batches]
+        step = encode_spread(sizes, encode_rows, _stage_groups(), device=device, requires_grad=requires_grad)
+        self._spread_step = step if requires_grad else None
+        if not step.leaves:  # a later stage: its forward step reads no encoder output
+            return batches
+        return [{**batch, ENCODED: leaf} for batch, leaf in zip(batches, step.leaves, strict=True)]
+
+    def _count(self, samples: int) -> None:
+        self.encoded_samples["train" if torch.is_grad_enabled() else "eval"] += samples
 
     def connect(self, chunks: list[nn.Module]) -> None:
         """Make the schedule's gradient finalisation also finish and scale the encoder side's gradients."""
@@ -493,8 +586,8 @@ class Components:
     # ----- checkpoints and export ---------------------------------------------------------------------------------
     def encoder_modules(self) -> dict[str, nn.Module]:
         """The encoder side's modules by component name (frozen ones included), in the plan's order; empty for a
-        module of one component and on pipeline stages after the first (which hold no encoder side). Checkpoints
-        store them as replicated tensors (see checkpoint.py)."""
+        module of one component and, with ``encoder_placement: first_stage``, on pipeline stages after the first
+        (which hold no encoder side). Checkpoints store them as replicated tensors (see checkpoint.py)."""
         if not self._holds_encoders:
             return {}
         return {r.component.name: r.component.module for r in self._encoder_side()}
@@ -552,17 +645,32 @@ def _prepare_encoder_component(r: ResolvedComponent) -> None:
             setattr(block, _RECOMPUTED, True)
 
 
-def _replica_groups() -> Any:
-    """megatron's process groups for the encoder side's DDP: its data-parallel group is TP x DP (x CP), the ranks
-    holding a replica of it; the rest as the twin's (no expert parameters on the encoder side)."""
+def _replica_groups(*, spread: bool) -> Any:
+    """megatron's process groups for the encoder side's DDP: its data-parallel group holds the ranks with a replica
+    of it, TP x DP (x CP) on one stage, or every rank when it is spread over the stages (CP, refused with a composed
+    model, is 1); the rest as the twin's (no expert parameters on the encoder side)."""
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
     groups = ProcessGroupCollection()
-    groups.dp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
-    groups.dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    if spread:
+        groups.dp = groups.dp_cp = dist.group.WORLD
+    else:
+        groups.dp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=False)
+        groups.dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
     groups.expt_dp = parallel_state.get_expert_data_parallel_group()
     groups.tp = parallel_state.get_tensor_model_parallel_group()  # megatron's DDP logs with it
     groups.pp = parallel_state.get_pipeline_model_parallel_group()
     groups.ep = parallel_state.get_expert_model_parallel_group()
     return groups
+
+
+def _stage_groups() -> StageGroups:
+    """This rank's TP and PP groups for the spread encoder side (spread.py)."""
+    from megatron.core import parallel_state
+
+    return StageGroups(
+        tp=parallel_state.get_tensor_model_parallel_group(),
+        pp=parallel_state.get_pipeline_model_parallel_group(),
+        first=parallel_state.get_pipeline_model_parallel_first_rank(),
+    )

@@ -71,7 +71,11 @@ from forge_lightning.strategies.materialize import materialize_module
 from forge_lightning.strategies.megatron import callback_state
 from forge_lightning.strategies.megatron import checkpoint as ckpt
 from forge_lightning.strategies.megatron.checkpoint import MegatronCheckpointIO
-from forge_lightning.strategies.megatron.components import Components, parse_components
+from forge_lightning.strategies.megatron.components import (
+    Components,
+    parse_components,
+    parse_placement,
+)
 from forge_lightning.strategies.megatron.optimizer import (
     build_megatron_optimizer,
     build_schedulers,
@@ -125,6 +129,10 @@ class MegatronStrategy(ParallelStrategy):
             components of the module's ``parallel_plan()``; a composed model (encoder -> projector -> LLM) runs its
             decoder at this strategy's TP and the other components at TP = 1, data-parallel over the decoder's TP
             group (see components.py and docs/megatron.md).
+        encoder_placement: with ``pipeline_model_parallel_size > 1``, where a composed model's encoder side runs,
+            apart from the schedule: ``spread`` (``None``, the default: every stage holds a replica and encodes
+            its share of the step's samples, the features gathered on the first stage) or ``first_stage`` (the
+            first stage encodes them all while the later stages wait); see components.py.
         process_group_backend: ``nccl``, ``gloo``...; default from the device.
         timeout: collective timeout.
     """
@@ -157,6 +165,7 @@ class MegatronStrategy(ParallelStrategy):
         checkpoint_writers: int = ckpt.CHECKPOINT_WRITERS,
         use_transformer_engine: bool | None = None,
         components: dict[str, dict[str, Any]] | None = None,
+        encoder_placement: str | None = None,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
@@ -181,6 +190,7 @@ class MegatronStrategy(ParallelStrategy):
         self.checkpoint_writers = checkpoint_writers
         self.use_transformer_engine = use_transformer_engine
         self.components = components
+        self.encoder_placement = encoder_placement
         self._components: Components | None = None
         self._twin: MegatronTwin | None = None
         self._process_group_backend = process_group_backend
@@ -231,6 +241,7 @@ class MegatronStrategy(ParallelStrategy):
         dims = self.dims
         dp = dims.validate(self.world_size)
         parse_components(self.components, dims.tp)  # names are checked in setup
+        parse_placement(self.encoder_placement, dims.pp)
         backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -338,7 +349,11 @@ class MegatronStrategy(ParallelStrategy):
             apply_sdpa_backends(resolve(perf, self.root_device).sdpa)
         dims = self.dims
         parts = self._components = Components(
-            module, parse_components(self.components, dims.tp), dims, bf16=self._bf16
+            module,
+            parse_components(self.components, dims.tp),
+            dims,
+            bf16=self._bf16,
+            placement=parse_placement(self.encoder_placement, dims.pp),
         )
         datamodule = trainer.datamodule
         # A composed model's decoder input is longer than the data's sequences: its twin checks each batch.
