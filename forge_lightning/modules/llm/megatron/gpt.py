@@ -155,21 +155,16 @@ def forge_gpt_model_class() -> type:
         def _multimodal_emb(self, position_ids: Tensor) -> Tensor:
             """megatron's rotary ``emb`` ``[s, b, 1, dim]`` (angles, both halves) of ``[axes, b, s]`` positions."""
             axes = self.mrope_axes
-            if axes is None or position_ids.shape[0] != int(axes.max()) + 1:
+            num_axes = None if axes is None else int(axes.max()) + 1
+            if position_ids.shape[0] != num_axes:
+                has = "no rope_scaling mrope_section" if axes is None else f"{num_axes} position axes"
                 raise ValueError(
                     f"position_ids of shape {list(position_ids.shape)} are multimodal RoPE positions, but the "
-                    "model's config has "
-                    + (
-                        "no rope_scaling mrope_section"
-                        if axes is None
-                        else f"{int(axes.max()) + 1} position axes"
-                    )
+                    f"model's config has {has}"
                 )
             inv_freq = self.rotary_pos_emb.inv_freq.to(position_ids.device)
-            positions_SBF = position_ids[axes.to(position_ids.device)].permute(
-                2, 1, 0
-            )  # [F, b, s] -> [s, b, F]
-            angles_SBF = positions_SBF.float() * inv_freq
+            positions_FBS = position_ids[axes.to(position_ids.device)]  # each frequency's axis
+            angles_SBF = positions_FBS.permute(2, 1, 0).float() * inv_freq
             return torch.cat([angles_SBF, angles_SBF], dim=-1)[:, :, None]
 
         def compute_language_model_loss(self, labels: Tensor, logits: Tensor) -> Tensor:
