@@ -212,3 +212,30 @@ def test_twin_rotary_table_is_the_native_multimodal_rope(interleaved):
         assert torch.equal(part[:, :, 0].sin().transpose(0, 1), sin_BSF)
     megatron = MegatronMRoPE(kv_channels=2 * half, rotary_percent=1.0)(positions, section)
     assert torch.allclose(megatron, emb_SB1D, rtol=0, atol=1e-5) == (not interleaved)
+
+
+@pytest.mark.parametrize("multimodal", [True, False], ids=["positions_3BS", "positions_BS"])
+def test_twin_matches_the_native_decoder(megatron_world, configs, multimodal):
+    """One process: Qwen3-VL's LLM as the twin gives the native logits at the batch's ``[3, B, S]`` positions with
+    DeepStack-like layer residuals, and at ``[B, S]`` positions (plain RoPE, as a text-only M-RoPE model)."""
+    from forge_lightning.modules.llm.hf import split_experts
+    from forge_lightning.modules.llm.megatron import build_gpt_model, gpt_decoder_spec, transformer_config
+    from forge_lightning.modules.llm.megatron.bridge import load_state
+
+    vlm = build_module(configs, "qwen3_vl").model
+    llm, config = vlm.llm, vlm.llm.config
+    tf = transformer_config(config, tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
+    twin = build_gpt_model(config, tf, gpt_decoder_spec(tf), pre_process=True, post_process=True).eval()
+    load_state([twin], config, split_experts(llm.state_dict()).__getitem__)
+    batch = collate(samples("qwen3_vl", 3))
+    ids = batch["input_ids"]
+    if multimodal:
+        positions = composition(vlm).position_ids(batch)
+        g = torch.Generator().manual_seed(2)
+        residuals = [torch.randn(*ids.shape, config.hidden_size, generator=g) for _ in range(2)]
+    else:
+        positions, residuals = torch.arange(ids.shape[1]).expand_as(ids) + 3, []
+    with torch.no_grad():
+        expected = llm.lm_head(llm.hidden_states(ids, positions, layer_residuals=residuals or None))
+        logits = twin(ids, positions, None, layer_residuals=residuals)
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=0)
