@@ -85,12 +85,20 @@ class Composition:
             repeats allowed), for ``encode``. Default :func:`take_samples`: every tensor whose first dimension is the
             batch size is indexed; a batch whose inputs are not laid out per sample (a VLM's images of all samples
             in one tensor) gives its own.
+        position_ids: ``position_ids(batch) -> positions``: the decoder's RoPE positions of the whole batch
+            (``[b, T]``, or ``[3, b, T]`` for multimodal RoPE), computed from the batch alone (under pipeline
+            parallelism every stage computes them: later stages hold no encoder output). ``None``: ``0 .. T-1``.
+        layer_residuals: ``layer_residuals(encoded, batch) -> [residual_BTH, ...]``: tensors added to the outputs of
+            the decoder's first layers, one each, taken from ``encode``'s output (Qwen3-VL's DeepStack). ``None``:
+            none.
     """
 
     decoder: str
     encode: Callable[[dict[str, Tensor]], Tensor]
     merge: Callable[[Tensor, Tensor, dict[str, Tensor]], tuple[Tensor, Tensor]]
     select: Callable[[dict[str, Tensor], Tensor], dict[str, Tensor]] = take_samples
+    position_ids: Callable[[dict[str, Tensor]], Tensor] | None = None
+    layer_residuals: Callable[[Tensor, dict[str, Tensor]], list[Tensor]] | None = None
 
 
 @dataclass(kw_only=True)

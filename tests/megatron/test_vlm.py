@@ -227,17 +227,6 @@ def test_unsupported_settings_are_refused(kwargs, error, match):
         module.megatron_model(_build())
 
 
-def test_multimodal_rope_towers_are_refused(tmp_path):
-    from qwen2_5_vl_case import hf_config
-
-    hf_config().save_pretrained(tmp_path)  # a tiny Qwen2.5-VL config.json (its tower rotates by M-RoPE)
-    module = VisionLanguageModule(str(tmp_path))
-    with pytest.raises(
-        NotImplementedError, match="vision.type 'qwen2_5_vit' is not yet supported by MegatronStrategy"
-    ):
-        module.megatron_model(_build())
-
-
 def test_pipeline_refuses_a_merge_that_changes_the_text_positions():
     """Under PP the last stage reads ``batch["labels"]``: a merge that prepends the encoder's positions (the
     encoder -> decoder test model's) is refused on the first stage, before the decoder runs."""

@@ -356,13 +356,3 @@ def test_1d_frequencies_refuse_mrope_keys() -> None:
         ValueError, match=r"cannot be interleaved over 8 frequencies: the layout gives the axes"
     ):
         MultimodalRotaryEmbedding(16, [2, 5, 1], interleaved=True)
-
-
-def test_the_megatron_twin_refuses_multimodal_rope() -> None:
-    from forge_lightning.modules.llm.megatron.tf_config import check_supported
-
-    config = LLMConfig.from_preset("debug", rope_scaling={"mrope_section": [4, 2, 2]})
-    with pytest.raises(
-        NotImplementedError, match=r"multimodal RoPE .* not yet supported by the megatron twin"
-    ):
-        check_supported(config)

@@ -5,7 +5,8 @@
     plain:    batch ─ packed_inputs (positions, document ids) ─ this CP rank's share ─ GPTModel(input_ids, labels)
     composed: batch ─ build.encode (the encoder side, over the TP group) ─┐
               input_ids ─ the twin's token embeddings ───────────────────┴─ composition.merge ─ decoder_input ─
-              GPTModel(decoder_input=..., labels)    (later pipeline stages: the previous stage's output)
+              GPTModel(decoder_input=..., position_ids, labels, layer_residuals)
+                  (later pipeline stages: the previous stage's output; each stage the batch's position_ids)
     both:     per-token losses [b, s] (last stage) ─ LMLoss.reduce ─ (loss sum, trainable tokens)
 """
 
@@ -50,7 +51,9 @@ def composed_forward_step(
 
     With pipeline parallelism only the first stage merges; the later ones take their input from the previous stage
     and the last one's labels are ``batch["labels"]``: the merge must then keep the text positions and their labels
-    (a VLM's features in place of its placeholder tokens do; checked on the first stage).
+    (a VLM's features in place of its placeholder tokens do; checked on the first stage). Every stage rotates by the
+    composition's ``position_ids`` of the batch; the composition's ``layer_residuals`` (DeepStack) are added on the
+    first stage, whose chunk must hold their layers.
     """
     if batch.get("document_ids") is not None:
         raise NotImplementedError(
@@ -58,14 +61,16 @@ def composed_forward_step(
             "supported by MegatronStrategy: the merge changes the sequence, so the document ids would not match"
         )
     gpt = unwrap(chunk)
+    position_ids = None if composition.position_ids is None else composition.position_ids(batch)
     if not gpt.pre_process:  # a later pipeline stage: its input is the previous stage's output
         labels_BS = batch["labels"]
         trainable = labels_BS.masked_fill(labels_BS == loss.ignore_index, 0)
-        return chunk(None, None, None, labels=trainable), loss_function(loss, labels_BS)
-    encoded = encode(batch)
+        return chunk(None, position_ids, None, labels=trainable), loss_function(loss, labels_BS)
     # The twin's token embeddings, whole on every TP rank (all-reduced, not scattered: see DecoderTwin).
     tokens_BSH = gpt.embedding.word_embeddings(batch["input_ids"])
-    inputs_BTH, labels_BT = composition.merge(tokens_BSH, encoded.to(tokens_BSH.dtype), batch)
+    encoded = encode(batch).to(tokens_BSH.dtype)
+    inputs_BTH, labels_BT = composition.merge(tokens_BSH, encoded, batch)
+    residuals = [] if composition.layer_residuals is None else composition.layer_residuals(encoded, batch)
     if gpt.config.pipeline_model_parallel_size > 1 and not _keeps_text(labels_BT, batch["labels"]):
         raise ValueError(
             f"pipeline_model_parallel_size > 1 needs a composition whose merge keeps the text positions and their "
@@ -73,7 +78,10 @@ def composed_forward_step(
             f"{list(batch['labels'].shape)}; use pipeline_model_parallel_size 1 for this model"
         )
     trainable = labels_BT.masked_fill(labels_BT == loss.ignore_index, 0)
-    output = chunk(None, None, None, decoder_input=decoder_input(gpt, inputs_BTH), labels=trainable)
+    inputs = decoder_input(gpt, inputs_BTH)
+    output = chunk(
+        None, position_ids, None, decoder_input=inputs, labels=trainable, layer_residuals=residuals
+    )
     return output, loss_function(loss, labels_BT)
 
 

@@ -24,11 +24,6 @@ def check_supported(config: LLMConfig) -> None:
     megatron-core has one switch for the q/k/v bias (``add_qkv_bias``) and one for every linear's bias
     (``add_bias_linear``), so an output-projection bias without MLP biases (or the reverse) has no twin.
     """
-    if config.mrope_section is not None:
-        raise NotImplementedError(
-            f"multimodal RoPE (rope_scaling.mrope_section {config.mrope_section}) is not yet supported by the "
-            "megatron twin: train this model with FSDP2Strategy, DDPStrategy or ZeRO1Strategy"
-        )
     if config.mla is not None:
         _check_mla_supported(config)
     if config.moe is not None:
