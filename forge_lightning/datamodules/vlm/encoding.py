@@ -58,15 +58,13 @@ class VLMEncoder:
         """``conversation`` with each :data:`IMAGE_PLACEHOLDER` written as the vision inputs' image token and each
         :data:`VIDEO_PLACEHOLDER` as the text of the next of ``videos`` (their video token where the videos run out;
         kept as it is where they take no videos)."""
-        video_token = self.vision.video_token
-        if video_token is None:
-            texts = iter(())
-        else:
-            texts = iter(cast(VideoInputs, self.vision).video_text(v) for v in videos)
+        video = cast(VideoInputs, self.vision)
+        texts = iter([] if video.video_token is None else [video.video_text(v) for v in videos])
+        fallback = video.video_token or VIDEO_PLACEHOLDER
 
         def written(text: str) -> str:
             first, *rest = text.replace(IMAGE_PLACEHOLDER, self.vision.image_token).split(VIDEO_PLACEHOLDER)
-            return first + "".join(next(texts, video_token or VIDEO_PLACEHOLDER) + part for part in rest)
+            return first + "".join(next(texts, fallback) + part for part in rest)
 
         messages = [
             {**m, "content": written(m["content"])} if isinstance(m.get("content"), str) else m
@@ -144,24 +142,16 @@ class VLMEncoder:
     ) -> dict[int, list[int]]:
         """The vision ids that replace the image or video token at each of its positions in ``tokens``."""
         vision = self.vision
-        kinds = [
-            (
-                "image",
-                vision.image_token,
-                vision.image_token_id,
-                len(sizes),
-                map(vision.placeholder_ids, sizes),
-            )
-        ]
+        images = [vision.placeholder_ids(size) for size in sizes]
+        kinds = [("image", vision.image_token, vision.image_token_id, len(sizes), images)]
         if vision.video_token_id is not None:
             runs = [run for v in videos for run in cast(VideoInputs, vision).video_placeholders(v)]
-            kinds.append(("video", vision.video_token, vision.video_token_id, len(videos), iter(runs)))
+            kinds.append(("video", vision.video_token, vision.video_token_id, len(videos), runs))
         elif videos:
             raise ChatFormatError(f"{source}: the record has video(s) but the vision inputs take none")
         out: dict[int, list[int]] = {}
-        for kind, token, token_id, count, placeholders in kinds:
+        for kind, token, token_id, count, items in kinds:
             at = np.flatnonzero(tokens == token_id)
-            items = list(placeholders)
             if len(at) != len(items):
                 tokens_per_item = "" if count == len(items) else f", written with {len(items)} such tokens"
                 raise ChatFormatError(
