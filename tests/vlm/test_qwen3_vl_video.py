@@ -30,7 +30,12 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize 
 from transformers.video_utils import VideoMetadata
 from vlm_pack_case import MODEL_KEYS, datamodule, per_sample_losses, token_losses
 
-from forge_lightning.datamodules.vlm import BadSampleError, Qwen3VideoSampling, Qwen3VLImageProcessor
+from forge_lightning.datamodules.vlm import (
+    BadSampleError,
+    Qwen3VideoSampling,
+    Qwen3VLImageProcessor,
+    VLMDataModule,
+)
 from forge_lightning.datamodules.vlm.video import VideoInfo
 from forge_lightning.modules.vlm import VisionLanguageModel, VLMConfig, from_pretrained
 from forge_lightning.sim.video import write_video
@@ -221,8 +226,10 @@ def test_video_sizes_equal_transformers(frames, height, width, cap):
         )
 
 
-def test_defaults_are_transformers_class_defaults():
+def test_defaults_are_transformers_class_defaults(tokenizer_dir):
     ours, hf = Qwen3VLImageProcessor(), Qwen3VLVideoProcessor()
+    vision = VLMDataModule("train.jsonl", str(tokenizer_dir), processor="qwen3_vl").vision  # no file is read
+    assert vision.processor == ours and type(vision.sampling) is Qwen3VideoSampling
     assert (
         (ours.patch_size, ours.merge_size, ours.temporal_patch_size)
         == (16, 2, 2)
