@@ -273,7 +273,7 @@ def _reference_ids(hf_processor, question: str, answer: str, images: list, video
 
 def test_batch_equals_transformers_processing(tokenizer_dir, hf_processor, data):
     dm = _dm(tokenizer_dir, _write(data / "train.jsonl", _records()), batch_size=4)
-    assert dm.vision_settings == {}
+    assert dm.vision_settings == {"tokens_per_second": None}
     assert ", 2 videos)" in dm.reports["train"].describe()
     samples = [dm.train_dataset[i] for i in range(4)]
     images = [Image.open(data / "b.png"), Image.open(data / "a.png")]

@@ -208,11 +208,11 @@ class VLMDataModule(TokenDataModule):
         return self.vision.special_token_ids
 
     @property
-    def vision_settings(self) -> dict[str, float]:
-        """``tokens_per_second`` for ``qwen2_vl`` (the video positions packed rows get on the host): the model's
-        config must agree; nothing for ``qwen3_vl`` (its video time is text) and ``fixed``."""
-        rate = self.vision.tokens_per_second
-        return {} if rate is None else {"tokens_per_second": rate}
+    def vision_settings(self) -> dict[str, float | None]:
+        """``tokens_per_second``, the video positions packed rows get on the host: the rate for ``qwen2_vl``, ``None``
+        for ``qwen3_vl`` (its video time is text): the model's config must agree; nothing for ``fixed``."""
+        vision = self.vision
+        return {} if vision.video_token is None else {"tokens_per_second": vision.tokens_per_second}
 
     @property
     def pad_id(self) -> int:
