@@ -44,7 +44,8 @@ class VisionTextData(TextData, Protocol):
         ...
 
     @property
-    def vision_settings(self) -> dict[str, float]:
+    def vision_settings(self) -> dict[str, float | None]:
         """Other values the data was prepared with that the model config must agree with, by its field name
-        (``tokens_per_second``: the video positions of packed rows)."""
+        (``tokens_per_second``: the video positions of packed rows; ``None`` where the data's videos have no such
+        value, so the model must not use one)."""
         ...

@@ -27,6 +27,7 @@ _VISION_OPTIONS = (
     "video_max_pixels",
 )
 _FLOAT_OPTIONS = ("video_fps",)
+_FLAG_OPTIONS = ("video_cap_pixels_per_frame",)
 
 
 def vlm_pack(args: argparse.Namespace) -> None:
@@ -36,7 +37,7 @@ def vlm_pack(args: argparse.Namespace) -> None:
 
     options = {
         k: getattr(args, k)
-        for k in (*_SAMPLE_OPTIONS, *_VISION_OPTIONS, *_FLOAT_OPTIONS)
+        for k in (*_SAMPLE_OPTIONS, *_VISION_OPTIONS, *_FLOAT_OPTIONS, *_FLAG_OPTIONS)
         if getattr(args, k) is not None
     }
     dm = VLMDataModule(
@@ -89,4 +90,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"as data.{name}")
     for name in _FLOAT_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help=f"as data.{name}")
+    p.add_argument(
+        "--video-cap-pixels-per-frame",
+        action="store_true",
+        default=None,
+        help="as data.video_cap_pixels_per_frame (qwen3_vl)",
+    )
     p.set_defaults(func=vlm_pack)

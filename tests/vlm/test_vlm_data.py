@@ -401,7 +401,13 @@ def test_options_of_the_other_processor_are_refused(tokenizer_dir, data):
         VLMDataModule(str(train), str(tokenizer_dir), processor="fixed", max_pixels=1000)
     with pytest.raises(ValueError, match=r"image_size do\(es\) not apply to processor 'qwen2_vl'"):
         VLMDataModule(str(train), str(tokenizer_dir), image_size=224)
-    with pytest.raises(ValueError, match="processor \\('siglip'\\) must be one of qwen2_vl, fixed"):
+    with pytest.raises(ValueError, match=r"tokens_per_second do\(es\) not apply to processor 'qwen3_vl'"):
+        VLMDataModule(str(train), str(tokenizer_dir), processor="qwen3_vl", tokens_per_second=2.0)
+    with pytest.raises(
+        ValueError, match=r"video_cap_pixels_per_frame do\(es\) not apply to processor 'qwen2_vl'"
+    ):
+        VLMDataModule(str(train), str(tokenizer_dir), video_cap_pixels_per_frame=True)
+    with pytest.raises(ValueError, match="processor \\('siglip'\\) must be one of qwen2_vl, qwen3_vl, fixed"):
         VLMDataModule(str(train), str(tokenizer_dir), processor="siglip")
 
 

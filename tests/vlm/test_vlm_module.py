@@ -295,3 +295,8 @@ def test_the_datas_video_rate_must_be_the_models(tmp_path: Path) -> None:
         ValueError, match=r"the model's tokens_per_second is 2.* but the data module's is 4.0"
     ):
         _trainer(tmp_path, 1).fit(module, datamodule=data)
+    # Qwen3-VL's prompts (time as text) would pass a Qwen2.5-VL model's packed rows unnoticed: refused too
+    qwen3 = datamodule(tokenizer, train, processor="qwen3_vl")
+    assert qwen3.vision_settings == {"tokens_per_second": None}
+    with pytest.raises(ValueError, match=r"tokens_per_second is 2.* but the data module's videos have none"):
+        _trainer(tmp_path, 1).fit(module, datamodule=qwen3)

@@ -1,6 +1,6 @@
 """Vision-language data: image / video + text conversations (LLaVA, ShareGPT with images / videos, OpenAI content
-parts), their encoding with vision tokens, Qwen2-VL / Qwen2.5-VL image and video inputs and fixed-resolution image
-inputs, and the datamodule.
+parts), their encoding with vision tokens, Qwen2-VL / Qwen2.5-VL / Qwen3-VL image and video inputs and
+fixed-resolution image inputs, and the datamodule.
 
 Public names are imported lazily, as in the other data packages.
 """
@@ -17,6 +17,9 @@ _EXPORTS = {
     "PROCESSORS": "vision_inputs",
     "Qwen2VLImageProcessor": "image_processor",
     "Qwen2VLVisionInputs": "vision_inputs",
+    "Qwen3VLImageProcessor": "image_processor",
+    "Qwen3VLVisionInputs": "vision_inputs",
+    "Qwen3VideoSampling": "video",
     "ScanReport": "scan",
     "VLMDataModule": "datamodule",
     "VLMDataset": "dataset",
@@ -41,6 +44,9 @@ __all__ = [
     "PROCESSORS",
     "Qwen2VLImageProcessor",
     "Qwen2VLVisionInputs",
+    "Qwen3VLImageProcessor",
+    "Qwen3VLVisionInputs",
+    "Qwen3VideoSampling",
     "ScanReport",
     "VLMDataModule",
     "VLMDataset",
@@ -64,16 +70,18 @@ if TYPE_CHECKING:
     from forge_lightning.datamodules.vlm.encoding import VLMEncoder
     from forge_lightning.datamodules.vlm.image_processor import (
         Qwen2VLImageProcessor,
+        Qwen3VLImageProcessor,
         num_merged_tokens,
         smart_resize,
     )
     from forge_lightning.datamodules.vlm.records import ImageSource, VLMRecord, parse_vlm_record
     from forge_lightning.datamodules.vlm.scan import BadSampleError, ScanReport, VLMSample, scan_files
-    from forge_lightning.datamodules.vlm.video import VideoFile, VideoSampling
+    from forge_lightning.datamodules.vlm.video import Qwen3VideoSampling, VideoFile, VideoSampling
     from forge_lightning.datamodules.vlm.vision_inputs import (
         PROCESSORS,
         FixedResolutionVisionInputs,
         Qwen2VLVisionInputs,
+        Qwen3VLVisionInputs,
         VideoInputs,
         VisionInputs,
     )

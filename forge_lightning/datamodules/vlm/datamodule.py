@@ -37,12 +37,12 @@ class VLMDataModule(TokenDataModule):
     ``setup`` scans every record first (image headers, video headers, ``<image>`` / ``<video>`` counts, lengths
     after expansion, assistant turns); bad ones are skipped and counted in one summary line, or raised
     (``on_bad_sample="error"``). Batches are right-padded: ``input_ids``, ``attention_mask``, ``labels`` (shifted
-    next tokens, -100 where not trained, as in SFT), plus ``pixel_values`` (and ``image_grid_thw`` for ``qwen2_vl``)
-    when a sample of the batch has an image, and ``pixel_values_videos``, ``video_grid_thw``,
-    ``second_per_grid_ts`` (``qwen2_vl`` only) when one has a video.
+    next tokens, -100 where not trained, as in SFT), plus ``pixel_values`` (and ``image_grid_thw`` for ``qwen2_vl`` /
+    ``qwen3_vl``) when a sample of the batch has an image, and ``pixel_values_videos``, ``video_grid_thw`` (and
+    ``second_per_grid_ts`` for ``qwen2_vl``) when one has a video.
     With ``pack``, training batches are packed rows instead (see :mod:`~forge_lightning.datamodules.vlm.packing`):
     ``input_ids``, ``labels``, ``document_ids``, ``position_ids`` ``[B, seq_length]`` (``[3, B, seq_length]``
-    positions for ``qwen2_vl``) and the rows' pixel inputs; with ``balance``, each global micro-batch is split over
+    positions for ``qwen2_vl`` / ``qwen3_vl``) and the rows' pixel inputs; with ``balance``, each global micro-batch is split over
     the data-parallel ranks by estimated compute (see :mod:`~forge_lightning.datamodules.vlm.balance`).
 
     Args:
@@ -55,20 +55,25 @@ class VLMDataModule(TokenDataModule):
         template: ``None`` for the tokenizer's own chat template, a built-in name or a ``.jinja`` file.
         train_on: ``assistant``, ``last_assistant`` or ``all``.
         seq_length: most training positions of a sample after image expansion; longer samples are bad.
-        processor: ``qwen2_vl`` (dynamic resolution) or ``fixed`` (one square size, e.g. SigLIP).
-        min_pixels: ``qwen2_vl``: the least pixels of a resized image (default 3136).
-        max_pixels: ``qwen2_vl``: the most pixels of a resized image (default 1003520: 1280 tokens).
-        patch_size: side of a vision-encoder patch.
-        merge_size: ``qwen2_vl``: side of the square of patches merged into one token (default 2).
-        temporal_patch_size: ``qwen2_vl``: frames per temporal patch (default 2).
+        processor: ``qwen2_vl`` (Qwen2-VL / Qwen2.5-VL dynamic resolution), ``qwen3_vl`` (Qwen3-VL: 16-pixel
+            patches, mean / std 0.5, timestamped video frames) or ``fixed`` (one square size, e.g. SigLIP).
+        min_pixels: ``qwen2_vl`` / ``qwen3_vl``: the least pixels of a resized image (default 3136).
+        max_pixels: ``qwen2_vl`` / ``qwen3_vl``: the most pixels of a resized image (default 1003520).
+        patch_size: side of a vision-encoder patch (default: the processor's, 14; 16 for ``qwen3_vl``).
+        merge_size: ``qwen2_vl`` / ``qwen3_vl``: side of the square of patches merged into one token (default 2).
+        temporal_patch_size: ``qwen2_vl`` / ``qwen3_vl``: frames per temporal patch (default 2).
         image_size: ``fixed``: side of the square images are resized to (default 384).
-        video_fps: ``qwen2_vl``: frames sampled per second of video (default 2.0; not with ``video_num_frames``).
-        video_num_frames: ``qwen2_vl``: a fixed number of frames sampled per video instead (rounded to a
+        video_fps: frames sampled per second of video (default 2.0; not with ``video_num_frames``).
+        video_num_frames: a fixed number of frames sampled per video instead (``qwen2_vl``: rounded to a
             multiple of ``temporal_patch_size``).
-        video_min_frames: ``qwen2_vl``: the least frames sampled at ``video_fps`` (default 4).
-        video_max_frames: ``qwen2_vl``: the most frames sampled at ``video_fps`` (default 768).
-        video_min_pixels: ``qwen2_vl``: the least pixels of a resized video frame (default 100352).
-        video_max_pixels: ``qwen2_vl``: the most pixels of a resized video frame (default 602112).
+        video_min_frames: the least frames sampled at ``video_fps`` (default 4).
+        video_max_frames: the most frames sampled at ``video_fps`` (default 768).
+        video_min_pixels: ``qwen2_vl``: the least pixels of a resized video frame (default 100352); ``qwen3_vl``:
+            of all the sampled frames together (default 131072).
+        video_max_pixels: ``qwen2_vl``: the most pixels of a resized video frame (default 602112); ``qwen3_vl``:
+            of all the sampled frames together (default 786432).
+        video_cap_pixels_per_frame: ``qwen3_vl``: cap each frame's pixels as qwen-vl-utils does (transformers'
+            ``cap_pixels_per_frame``; default off, transformers' current default).
         tokens_per_second: ``qwen2_vl``: temporal positions per second of video, for the positions of packed rows:
             the model's ``vision_config.tokens_per_second`` (default 2, Qwen2.5-VL's).
         on_bad_sample: ``skip`` (count and leave out) or ``error`` (raise the first bad record).
@@ -99,7 +104,7 @@ class VLMDataModule(TokenDataModule):
         processor: str = "qwen2_vl",
         min_pixels: int | None = None,
         max_pixels: int | None = None,
-        patch_size: int = 14,
+        patch_size: int | None = None,
         merge_size: int | None = None,
         temporal_patch_size: int | None = None,
         image_size: int | None = None,
@@ -109,6 +114,7 @@ class VLMDataModule(TokenDataModule):
         video_max_frames: int | None = None,
         video_min_pixels: int | None = None,
         video_max_pixels: int | None = None,
+        video_cap_pixels_per_frame: bool | None = None,
         tokens_per_second: float | None = None,
         on_bad_sample: str = "skip",
         verify_pixels: bool = False,
@@ -147,6 +153,7 @@ class VLMDataModule(TokenDataModule):
             "video_max_frames": video_max_frames,
             "video_min_pixels": video_min_pixels,
             "video_max_pixels": video_max_pixels,
+            "video_cap_pixels_per_frame": video_cap_pixels_per_frame,
             "tokens_per_second": tokens_per_second,
         }
         self.vision_options = {k: v for k, v in given.items() if v is not None}
@@ -195,17 +202,17 @@ class VLMDataModule(TokenDataModule):
 
     @property
     def special_token_ids(self) -> dict[str, int]:
-        """The tokenizer's ids of the image tokens, by config name (``image_token_id``, and for ``qwen2_vl``
-        ``vision_start_token_id`` / ``vision_end_token_id``, and ``video_token_id`` where the tokenizer has
+        """The tokenizer's ids of the image tokens, by config name (``image_token_id``, and for ``qwen2_vl`` /
+        ``qwen3_vl`` ``vision_start_token_id`` / ``vision_end_token_id``, and ``video_token_id`` where the tokenizer has
         ``<|video_pad|>``): the model's config must agree."""
         return self.vision.special_token_ids
 
     @property
-    def vision_settings(self) -> dict[str, float]:
-        """``tokens_per_second`` for ``qwen2_vl`` (the video positions packed rows get on the host): the model's
-        config must agree; nothing for ``fixed``."""
-        rate = self.vision.tokens_per_second
-        return {} if rate is None else {"tokens_per_second": rate}
+    def vision_settings(self) -> dict[str, float | None]:
+        """``tokens_per_second``, the video positions packed rows get on the host: the rate for ``qwen2_vl``, ``None``
+        for ``qwen3_vl`` (its video time is text): the model's config must agree; nothing for ``fixed``."""
+        vision = self.vision
+        return {} if vision.video_token is None else {"tokens_per_second": vision.tokens_per_second}
 
     @property
     def pad_id(self) -> int:

@@ -6,8 +6,10 @@ tokens::
       ─ expand  [... <|im_start|> user \\n <|vision_start|> <|image_pad|> x N <|vision_end|> \\n What ...]
 
 The image token is a special token, so the text around it tokenizes the same with one or with N of them; the
-expanded vision tokens are never trained. A ``<video>`` placeholder becomes the video token (``<|video_pad|>``) and
-expands likewise, to the merged patches of its sampled frames; images and videos are each taken in their own order.
+expanded vision tokens are never trained. A ``<video>`` placeholder becomes the vision inputs' text of the video
+(``<|video_pad|>``; for Qwen3-VL a timestamp and ``<|video_pad|>`` per temporal patch, so the timestamp text is
+tokenized in its context, as transformers' processor tokenizes it) and each video token expands likewise, to the
+merged patches of its sampled frames; images and videos are each taken in their own order.
 """
 
 from __future__ import annotations
@@ -50,15 +52,19 @@ class VLMEncoder:
         self.chat = chat
         self.vision = vision
 
-    def with_vision_tokens(self, conversation: Conversation) -> Conversation:
+    def with_vision_tokens(
+        self, conversation: Conversation, videos: Sequence[VideoInfo] = ()
+    ) -> Conversation:
         """``conversation`` with each :data:`IMAGE_PLACEHOLDER` written as the vision inputs' image token and each
-        :data:`VIDEO_PLACEHOLDER` as their video token (kept as it is where they take no videos)."""
-        video_token = self.vision.video_token or VIDEO_PLACEHOLDER
+        :data:`VIDEO_PLACEHOLDER` as the text of the next of ``videos`` (their video token where the videos run out;
+        kept as it is where they take no videos)."""
+        video = cast(VideoInputs, self.vision)
+        texts = iter([] if video.video_token is None else [video.video_text(v) for v in videos])
+        fallback = video.video_token or VIDEO_PLACEHOLDER
 
         def written(text: str) -> str:
-            return text.replace(IMAGE_PLACEHOLDER, self.vision.image_token).replace(
-                VIDEO_PLACEHOLDER, video_token
-            )
+            first, *rest = text.replace(IMAGE_PLACEHOLDER, self.vision.image_token).split(VIDEO_PLACEHOLDER)
+            return first + "".join(next(texts, fallback) + part for part in rest)
 
         messages = [
             {**m, "content": written(m["content"])} if isinstance(m.get("content"), str) else m
@@ -79,7 +85,7 @@ class VLMEncoder:
             ChatFormatError: the rendered text holds another number of image (video) tokens than there are images
                 (videos).
         """
-        encoded = self.chat.encode(self.with_vision_tokens(conversation))
+        encoded = self.chat.encode(self.with_vision_tokens(conversation, videos))
         tokens, trainable = self._expand(
             encoded.tokens, encoded.trainable, sizes, videos, conversation.source
         )
@@ -94,12 +100,15 @@ class VLMEncoder:
         """The prompt ids before the last assistant turn (with the generation prompt, images and videos
         expanded), that turn's text, and how many of the images and of the videos (the first ones) the prompt
         holds."""
-        prompt, answer = self.chat.prompt_and_answer(self.with_vision_tokens(conversation))
+        prompt, answer = self.chat.prompt_and_answer(self.with_vision_tokens(conversation, videos))
         prompt_ids = np.asarray(prompt, np.int64)
         num_images = int((prompt_ids == self.vision.image_token_id).sum())
-        num_videos = (
-            0 if self.vision.video_token_id is None else int((prompt_ids == self.vision.video_token_id).sum())
-        )
+        num_videos = 0
+        if self.vision.video_token_id is not None and videos:
+            # the prompt holds whole videos: count those whose video tokens all fall in it
+            runs = int((prompt_ids == self.vision.video_token_id).sum())
+            per_video = [len(cast(VideoInputs, self.vision).video_placeholders(v)) for v in videos]
+            num_videos = int(np.searchsorted(np.cumsum(per_video), runs, side="right"))
         tokens, _ = self._expand(
             prompt_ids,
             np.zeros(len(prompt_ids), bool),
@@ -133,21 +142,21 @@ class VLMEncoder:
     ) -> dict[int, list[int]]:
         """The vision ids that replace the image or video token at each of its positions in ``tokens``."""
         vision = self.vision
-        kinds = [("image", vision.image_token, vision.image_token_id, sizes, vision.placeholder_ids)]
+        images = [vision.placeholder_ids(size) for size in sizes]
+        kinds = [("image", vision.image_token, vision.image_token_id, len(sizes), images)]
         if vision.video_token_id is not None:
-            video = cast(VideoInputs, vision)
-            kinds.append(
-                ("video", vision.video_token, vision.video_token_id, videos, video.video_placeholder_ids)
-            )
+            runs = [run for v in videos for run in cast(VideoInputs, vision).video_placeholders(v)]
+            kinds.append(("video", vision.video_token, vision.video_token_id, len(videos), runs))
         elif videos:
             raise ChatFormatError(f"{source}: the record has video(s) but the vision inputs take none")
         out: dict[int, list[int]] = {}
-        for kind, token, token_id, items, placeholder in kinds:
+        for kind, token, token_id, count, items in kinds:
             at = np.flatnonzero(tokens == token_id)
             if len(at) != len(items):
+                tokens_per_item = "" if count == len(items) else f", written with {len(items)} such tokens"
                 raise ChatFormatError(
                     f"{source}: the rendered text holds {len(at)} {kind} token(s) {token!r} but the record has "
-                    f"{len(items)} {kind}(s); the text must not contain that token itself"
+                    f"{count} {kind}(s){tokens_per_item}; the text must not contain that token itself"
                 )
-            out |= {int(position): placeholder(item) for position, item in zip(at, items)}
+            out |= {int(position): ids for position, ids in zip(at, items)}
         return out

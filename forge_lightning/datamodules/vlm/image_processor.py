@@ -1,6 +1,6 @@
-"""Images and video frames to the flat patch rows of the Qwen2-VL / Qwen2.5-VL vision tower, value for value as
-transformers' processor makes them (``Qwen2VLImageProcessorPil``, the backend transformers uses without
-torchvision)::
+"""Images and video frames to the flat patch rows of the Qwen2-VL / Qwen2.5-VL / Qwen3-VL vision tower, value for
+value as transformers' processor makes them (``Qwen2VLImageProcessorPil``, the backend transformers uses without
+torchvision, which Qwen3-VL uses for its images too)::
 
     image / frame (Pillow, any mode) ─ RGB, transparency composited onto white
       ─ smart_resize: both sides to multiples of patch_size * merge_size, pixel count in [min, max]
@@ -16,6 +16,9 @@ frames, and a frame count that does not divide repeats the last frame (transform
 Video frames here take the image path frame by frame (Pillow resize). transformers' video processor needs
 torchvision and resizes with torchvision's bicubic instead, which differs from Pillow's by up to several uint8
 levels; frames already at their target size (resized upstream) do not see the difference.
+
+Qwen3-VL (:class:`Qwen3VLImageProcessor`) patches images as Qwen2-VL does (16-pixel patches, mean and std 0.5); its
+video frames take another size (:func:`smart_resize_video`: the pixel bounds count the frames too).
 """
 
 from __future__ import annotations
@@ -81,6 +84,63 @@ def smart_resize(
         new_width = max(factor, math.floor(width / beta / factor) * factor)
     elif new_height * new_width < min_pixels:
         beta = math.sqrt(min_pixels / (height * width))
+        new_height = math.ceil(height * beta / factor) * factor
+        new_width = math.ceil(width * beta / factor) * factor
+    return new_height, new_width
+
+
+def smart_resize_video(
+    num_frames: int,
+    height: int,
+    width: int,
+    *,
+    factor: int,
+    temporal_factor: int,
+    min_pixels: int,
+    max_pixels: int,
+) -> tuple[int, int]:
+    """The size Qwen3-VL resizes the frames of a video to (transformers' ``Qwen3VLVideoProcessor``): as
+    :func:`smart_resize`, but the bounds are on ``frames * height * width`` (the frame count rounded to a multiple
+    of ``temporal_factor``), and frames smaller than ``factor`` are first scaled up to it.
+
+    Args:
+        num_frames: the sampled frames.
+        height: frame height in pixels.
+        width: frame width in pixels.
+        factor: the multiple both sides must have (``patch_size * merge_size``).
+        temporal_factor: frames per temporal patch.
+        min_pixels: the least ``frames * height * width`` after resizing (transformers' ``size.shortest_edge``).
+        max_pixels: the most ``frames * height * width`` after resizing (``size.longest_edge``).
+
+    Raises:
+        ValueError: fewer frames than ``temporal_factor``, a side that is not positive, or an aspect ratio over 200.
+    """
+    if num_frames < temporal_factor:
+        raise ValueError(
+            f"{num_frames} sampled frame(s) are fewer than one temporal patch ({temporal_factor} frames)"
+        )
+    if height <= 0 or width <= 0:
+        raise ValueError(
+            f"frames of {height}x{width} (height x width) are empty: both sides must be positive"
+        )
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    ratio = max(height, width) / min(height, width)
+    if ratio > MAX_ASPECT_RATIO:
+        raise ValueError(
+            f"frames of {height}x{width} (height x width) have an aspect ratio of {ratio:g}; Qwen3-VL accepts at "
+            f"most {MAX_ASPECT_RATIO}: crop or pad the video first"
+        )
+    new_height, new_width = round(height / factor) * factor, round(width / factor) * factor
+    frames = round(num_frames / temporal_factor) * temporal_factor
+    # As in smart_resize, transformers' order of operations; beta takes the frame count before rounding.
+    if frames * new_height * new_width > max_pixels:
+        beta = math.sqrt(num_frames * height * width / max_pixels)
+        new_height = max(factor, math.floor(height / beta / factor) * factor)
+        new_width = max(factor, math.floor(width / beta / factor) * factor)
+    elif frames * new_height * new_width < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
         new_height = math.ceil(height * beta / factor) * factor
         new_width = math.ceil(width * beta / factor) * factor
     return new_height, new_width
@@ -184,11 +244,14 @@ class Qwen2VLImageProcessor:
         new_height, new_width = smart_resize(height, width, self.factor, self.min_pixels, self.max_pixels)
         return 1, new_height // self.patch_size, new_width // self.patch_size
 
+    def video_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """The ``(height, width)`` the ``num_frames`` sampled frames of ``height x width`` are resized to:
+        :func:`smart_resize` of one frame at the video pixel limits."""
+        return smart_resize(height, width, self.factor, self.video_min_pixels, self.video_max_pixels)
+
     def video_grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
         """The ``(t, h, w)`` patch grid of a video of ``num_frames`` frames of ``height x width``."""
-        new_height, new_width = smart_resize(
-            height, width, self.factor, self.video_min_pixels, self.video_max_pixels
-        )
+        new_height, new_width = self.video_size(num_frames, height, width)
         return (
             -(-num_frames // self.temporal_patch_size),
             new_height // self.patch_size,
@@ -215,7 +278,9 @@ class Qwen2VLImageProcessor:
         for i, image in enumerate(images):
             if not isinstance(image, Image.Image):
                 raise TypeError(f"images[{i}] is a {type(image).__name__}, not a Pillow image")
-            frame_HWC = self._frame(to_rgb(image), self.min_pixels, self.max_pixels)
+            image = to_rgb(image)
+            size = smart_resize(image.height, image.width, self.factor, self.min_pixels, self.max_pixels)
+            frame_HWC = self._frame(image, size)
             frames_THWC = frame_HWC[None].expand(self.temporal_patch_size, -1, -1, -1)
             rows.append(self._patchify(frames_THWC))
             grids.append(self._grid(frames_THWC))
@@ -238,9 +303,8 @@ class Qwen2VLImageProcessor:
         rows, grids = [], []
         for i, video in enumerate(videos):
             frames = _video_frames(video, f"videos[{i}]")
-            frames_THWC = torch.stack(
-                [self._frame(f, self.video_min_pixels, self.video_max_pixels) for f in frames]
-            )
+            size = self.video_size(len(frames), frames[0].height, frames[0].width)
+            frames_THWC = torch.stack([self._frame(f, size) for f in frames])
             if pad := -len(frames) % self.temporal_patch_size:
                 frames_THWC = torch.cat([frames_THWC, frames_THWC[-1:].expand(pad, -1, -1, -1)])
             rows.append(self._patchify(frames_THWC))
@@ -250,9 +314,9 @@ class Qwen2VLImageProcessor:
             "video_grid_thw": torch.tensor(grids, dtype=torch.int64),
         }
 
-    def _frame(self, image: Image.Image, min_pixels: int, max_pixels: int) -> Tensor:
-        """``image`` (RGB) resized by ``smart_resize``, rescaled and normalised: float32 ``[H, W, 3]``."""
-        height, width = smart_resize(image.height, image.width, self.factor, min_pixels, max_pixels)
+    def _frame(self, image: Image.Image, size: tuple[int, int]) -> Tensor:
+        """``image`` (RGB) resized to ``size`` ``(height, width)``, rescaled and normalised: float32 ``[H, W, 3]``."""
+        height, width = size
         resized_HWC = np.asarray(image.resize((width, height), resample=self._filter))
         return torch.from_numpy(self._table_C256[np.arange(3), resized_HWC])
 
@@ -267,6 +331,58 @@ class Qwen2VLImageProcessor:
         x = frames_THWC.reshape(T // S, S, H // (P * M), M, P, W // (P * M), M, P, C)
         x = x.permute(0, 2, 5, 3, 6, 8, 1, 4, 7)  # [t, bh, bw, mh, mw, C, S, ph, pw]
         return x.reshape(T // S * (H // P) * (W // P), C * S * P * P)
+
+
+@dataclass(kw_only=True)
+class Qwen3VLImageProcessor(Qwen2VLImageProcessor):
+    """Qwen3-VL's images and videos: images as :class:`Qwen2VLImageProcessor` (the class transformers uses for
+    Qwen3-VL images) with 16-pixel patches and mean / std 0.5; video frames resized by :func:`smart_resize_video`,
+    whose pixel bounds span all sampled frames (transformers' ``Qwen3VLVideoProcessor``).
+
+    The defaults are transformers' class defaults (its image class is Qwen2-VL's: ``min_pixels`` / ``max_pixels``
+    3136 / 1003520); released checkpoints set their own ``size`` in ``preprocessor_config.json`` and
+    ``video_preprocessor_config.json``: pass ``shortest_edge`` / ``longest_edge`` as ``min_pixels`` / ``max_pixels``
+    and ``video_min_pixels`` / ``video_max_pixels``.
+
+    Args:
+        video_min_pixels: the least ``frames * height * width`` of a resized video (``size.shortest_edge``).
+        video_max_pixels: the most ``frames * height * width`` of a resized video (``size.longest_edge``).
+        video_cap_pixels_per_frame: cap each frame as the reference implementation (qwen-vl-utils) does, so that
+            a video's token cost grows with its frame count (transformers' ``cap_pixels_per_frame``).
+        video_max_frame_tokens: the per-frame cap in merged tokens (transformers' ``max_video_tokens``).
+        Other arguments: as :class:`Qwen2VLImageProcessor`.
+    """
+
+    patch_size: int = 16
+    video_min_pixels: int = 128 * 32 * 32
+    video_max_pixels: int = 768 * 32 * 32
+    video_cap_pixels_per_frame: bool = False
+    video_max_frame_tokens: int = 768
+    image_mean: tuple[float, float, float] = (0.5, 0.5, 0.5)
+    image_std: tuple[float, float, float] = (0.5, 0.5, 0.5)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.video_max_frame_tokens > 0:
+            raise ValueError(f"video_max_frame_tokens ({self.video_max_frame_tokens}) must be positive")
+
+    def video_size(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """:func:`smart_resize_video` of the ``num_frames`` sampled frames, the bound capped per frame where
+        :attr:`video_cap_pixels_per_frame` is set."""
+        max_pixels = self.video_max_pixels
+        if self.video_cap_pixels_per_frame:
+            frame_cap = self.video_max_frame_tokens * self.factor**2
+            per_frame = max(min(frame_cap, max_pixels // num_frames), int(self.video_min_pixels * 1.05))
+            max_pixels = per_frame * num_frames
+        return smart_resize_video(
+            num_frames,
+            height,
+            width,
+            factor=self.factor,
+            temporal_factor=self.temporal_patch_size,
+            min_pixels=self.video_min_pixels,
+            max_pixels=max_pixels,
+        )
 
 
 def _video_frames(video: VideoInput, name: str) -> list[Image.Image]:

@@ -1,12 +1,15 @@
-"""Video files as Qwen2-VL frames: which frames to sample (transformers' ``Qwen2VLVideoProcessor.sample_frames``)
-and their decoding with the project's PyAV frame reader (``datamodules/lerobot/video.py``)::
+"""Video files as Qwen2-VL / Qwen3-VL frames: which frames to sample (transformers' ``Qwen2VLVideoProcessor`` /
+``Qwen3VLVideoProcessor.sample_frames``) and their decoding with the project's PyAV frame reader
+(``datamodules/lerobot/video.py``)::
 
     video file ─ header: frame count, frame rate, size ─ sample_indices (fps or num_frames, a multiple of
       temporal_patch_size) ─ VideoFrames (seek to the key frame, decode forward, rgb24) ─ uint8 [T, H, W, 3]
       ─ Qwen2VLImageProcessor.preprocess_videos (smart_resize at the video pixel limits, temporal patches)
 
 ``second_per_grid_ts`` (seconds one temporal patch spans, for Qwen2.5-VL's M-RoPE) is ``temporal_patch_size`` over
-the rate the frames were sampled at, as transformers' Qwen2.5-VL processor writes it.
+the rate the frames were sampled at, as transformers' Qwen2.5-VL processor writes it. Qwen3-VL writes the time as
+text instead: ``Qwen3VideoSampling.timestamps`` are the seconds of each temporal patch, the mean of its first and
+last frame's time.
 """
 
 from __future__ import annotations
@@ -96,6 +99,45 @@ class VideoSampling:
         ``fps`` where the count was rounded or bounded)."""
         rate = len(self.indices(info)) * info.fps / info.num_frames
         return self.temporal_patch_size / rate
+
+
+@dataclass(frozen=True, kw_only=True)
+class Qwen3VideoSampling(VideoSampling):
+    """Qwen3-VL's frames (transformers' ``Qwen3VLVideoProcessor.sample_frames``), which differ from Qwen2-VL's:
+    at ``fps`` the count is ``int(frames / video fps * fps)`` bounded by ``min_frames``, ``max_frames`` and the
+    frame count, and ``num_frames`` is taken as it is, neither rounded to a multiple of ``temporal_patch_size``
+    (the processor repeats the last frame to fill the last temporal patch) nor bounded by the video (indices then
+    repeat); the indices are ``linspace(0, frames - 1, count)`` rounded, so the last frame is always sampled.
+
+    Args: as :class:`VideoSampling`.
+    """
+
+    def indices(self, info: VideoInfo) -> list[int]:
+        """The frame indices to decode, evenly spread over the video from its first to its last frame.
+
+        Raises:
+            ValueError: fewer sampled frames than one temporal patch.
+        """
+        total, tps = info.num_frames, self.temporal_patch_size
+        count = self.num_frames
+        if count is None:
+            count = min(max(int(total / info.fps * self.fps), self.min_frames), self.max_frames, total)
+        if count < tps:
+            raise ValueError(
+                f"a video of {total} frames gives {count} sampled frame(s) (fps {self.fps}, num_frames "
+                f"{self.num_frames}), fewer than one temporal patch ({tps}): use a longer video"
+            )
+        return np.linspace(0, total - 1, count).round().astype(np.int64).tolist()
+
+    def timestamps(self, info: VideoInfo) -> list[float]:
+        """The time in seconds of each temporal patch of the sampled frames: the mean of its first and last frame's
+        ``index / fps``, the last patch filled up with the last frame (transformers'
+        ``Qwen3VLProcessor._calculate_timestamps``)."""
+        indices, tps = self.indices(info), self.temporal_patch_size
+        indices += indices[-1:] * (-len(indices) % tps)
+        return [
+            (indices[k] / info.fps + indices[k + tps - 1] / info.fps) / 2 for k in range(0, len(indices), tps)
+        ]
 
 
 @dataclass(frozen=True)

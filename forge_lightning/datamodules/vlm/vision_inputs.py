@@ -2,13 +2,19 @@
 
 A :class:`VisionInputs` renders each image as one :attr:`~VisionInputs.image_token` in the chat text, then the
 encoder replaces that token by :meth:`~VisionInputs.placeholder_ids` of the image's size; :meth:`process` makes the
-pixel inputs the model takes. Two are built in (:data:`PROCESSORS`):
+pixel inputs the model takes. Three are built in (:data:`PROCESSORS`):
 
 * ``qwen2_vl``: Qwen2-VL / Qwen2.5-VL dynamic resolution, ``<|vision_start|>`` + N x ``<|image_pad|>`` +
   ``<|vision_end|>`` with N the merged tokens after ``smart_resize``; ``pixel_values [patches, patch_dim]`` and
   ``image_grid_thw [images, 3]``. Videos (a :class:`VideoInputs`) likewise with ``<|video_pad|>``, their frames
   sampled by :class:`~forge_lightning.datamodules.vlm.video.VideoSampling`: ``pixel_values_videos``,
   ``video_grid_thw [videos, 3]`` and ``second_per_grid_ts [videos]``.
+* ``qwen3_vl``: Qwen3-VL, images as ``qwen2_vl`` (16-pixel patches, mean / std 0.5); a video is written as text
+  and tokens per temporal patch, its time as text instead of ``second_per_grid_ts``::
+
+      <0.3 seconds><|vision_start|><|video_pad|> x N<|vision_end|><1.5 seconds><|vision_start|> ... <|vision_end|>
+
+  with N the merged tokens of one frame; ``pixel_values_videos`` and ``video_grid_thw [videos, 3]``.
 * ``fixed``: a fixed-resolution encoder (SigLIP, CLIP as in LLaVA): ``(image_size // patch_size) ** 2`` x
   ``<image>``; ``pixel_values [images, 3, image_size, image_size]``.
 """
@@ -17,15 +23,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar, Protocol, cast, runtime_checkable
 
 import numpy as np
 import torch
 from PIL import Image
 from torch import Tensor
 
-from forge_lightning.datamodules.vlm.image_processor import Qwen2VLImageProcessor
-from forge_lightning.datamodules.vlm.video import VideoInfo, VideoSampling
+from forge_lightning.datamodules.vlm.image_processor import Qwen2VLImageProcessor, Qwen3VLImageProcessor
+from forge_lightning.datamodules.vlm.video import Qwen3VideoSampling, VideoInfo, VideoSampling
 from forge_lightning.modules.vlm.positions import get_rope_index
 
 
@@ -47,7 +53,7 @@ class VisionInputs(Protocol):
 
     tokens_per_second: float | None
     """Temporal positions per second of video the host-side positions use (``None`` where the inputs take no
-    videos); the model's config must agree."""
+    videos or write their time as text); the model's config must agree."""
 
     @property
     def special_token_ids(self) -> dict[str, int]:
@@ -80,8 +86,13 @@ class VideoInputs(VisionInputs, Protocol):
     sampling: VideoSampling
     """Which frames of a video are sampled."""
 
-    def video_placeholder_ids(self, info: VideoInfo) -> list[int]:
-        """The token ids that replace the video token for a video whose header says ``info``."""
+    def video_text(self, info: VideoInfo) -> str:
+        """How a video whose header says ``info`` is written in the chat text (where its record has ``<video>``):
+        the video token, once per item of :meth:`video_placeholders`, with any text between."""
+        ...
+
+    def video_placeholders(self, info: VideoInfo) -> list[list[int]]:
+        """The token ids that replace each video token of :meth:`video_text`, in order."""
         ...
 
     def video_num_patches(self, info: VideoInfo) -> int:
@@ -97,16 +108,8 @@ class VideoInputs(VisionInputs, Protocol):
         ...
 
 
-VIDEO_OPTIONS = (
-    "video_fps",
-    "video_num_frames",
-    "video_min_frames",
-    "video_max_frames",
-    "video_min_pixels",
-    "video_max_pixels",
-    "tokens_per_second",
-)
-"""The data module's video options of :class:`Qwen2VLVisionInputs`."""
+SAMPLING_OPTIONS = ("video_fps", "video_num_frames", "video_min_frames", "video_max_frames")
+"""The data module's options of :func:`video_sampling`."""
 
 
 def special_token_id(tokenizer: Any, token: str) -> int | None:
@@ -134,9 +137,10 @@ def token_ids(tokenizer: Any, tokens: dict[str, str], processor: str) -> dict[st
     return ids  # type: ignore[return-value]
 
 
-class Qwen2VLVisionInputs:
-    """Qwen2-VL / Qwen2.5-VL images and videos: dynamic resolution, one ``<|image_pad|>`` (``<|video_pad|>``) per
-    merged patch between ``<|vision_start|>`` and ``<|vision_end|>``, the patches of :class:`Qwen2VLImageProcessor`.
+class QwenVLVisionInputs:
+    """What Qwen2-VL, Qwen2.5-VL and Qwen3-VL share: dynamic resolution, one ``<|image_pad|>`` (``<|video_pad|>``)
+    per merged patch between ``<|vision_start|>`` and ``<|vision_end|>``, the patches of an image processor;
+    the subclasses say how a video's time enters (:meth:`video_text`, :meth:`process_videos`, :meth:`positions`).
 
     Args:
         processor: the image processor (its pixel limits decide the token count of each image and video frame).
@@ -145,19 +149,21 @@ class Qwen2VLVisionInputs:
         vision_end_token_id: ``<|vision_end|>``.
         video_token_id: ``<|video_pad|>``, or ``None`` for a tokenizer without it (images only).
         sampling: which frames of a video are sampled (its ``temporal_patch_size`` must be the processor's).
-        tokens_per_second: Qwen2.5-VL's temporal positions per second of video (the model's
-            ``vision_config.tokens_per_second``), for the positions of packed rows.
     """
 
-    name: ClassVar[str] = "qwen2_vl"
+    name: ClassVar[str]
     options: ClassVar[tuple[str, ...]] = (
         "min_pixels",
         "max_pixels",
         "patch_size",
         "merge_size",
         "temporal_patch_size",
-        *VIDEO_OPTIONS,
+        "video_min_pixels",
+        "video_max_pixels",
+        *SAMPLING_OPTIONS,
     )
+    processor_class: ClassVar[type[Qwen2VLImageProcessor]] = Qwen2VLImageProcessor
+    sampling_class: ClassVar[type[VideoSampling]] = VideoSampling
     tokens: ClassVar[dict[str, str]] = {
         "image_token_id": "<|image_pad|>",
         "vision_start_token_id": "<|vision_start|>",
@@ -165,6 +171,7 @@ class Qwen2VLVisionInputs:
     }
     image_token = "<|image_pad|>"
     video_token = "<|video_pad|>"
+    tokens_per_second: float | None = None
 
     def __init__(
         self,
@@ -175,43 +182,44 @@ class Qwen2VLVisionInputs:
         vision_end_token_id: int,
         video_token_id: int | None = None,
         sampling: VideoSampling | None = None,
-        tokens_per_second: float = 2.0,
     ) -> None:
-        sampling = sampling or VideoSampling(temporal_patch_size=processor.temporal_patch_size)
+        sampling = sampling or self.sampling_class(temporal_patch_size=processor.temporal_patch_size)
         if sampling.temporal_patch_size != processor.temporal_patch_size:
             raise ValueError(
                 f"the video sampling's temporal_patch_size ({sampling.temporal_patch_size}) must be the "
                 f"processor's ({processor.temporal_patch_size})"
             )
-        if not tokens_per_second > 0:
-            raise ValueError(f"tokens_per_second ({tokens_per_second}) must be positive")
         self.processor = processor
         self.image_token_id = image_token_id
         self.vision_start_token_id = vision_start_token_id
         self.vision_end_token_id = vision_end_token_id
         self.video_token_id = video_token_id
         self.sampling = sampling
-        self.tokens_per_second = tokens_per_second
 
     @classmethod
-    def from_tokenizer(cls, tokenizer: Any, **options: float) -> Qwen2VLVisionInputs:
+    def from_tokenizer(cls, tokenizer: Any, **options: Any) -> QwenVLVisionInputs:
         """Built with the token ids of ``tokenizer`` (``<|video_pad|>`` where it has one), the
-        :class:`Qwen2VLImageProcessor` ``options`` and the ``video_*`` sampling options (:data:`VIDEO_OPTIONS`).
+        :attr:`processor_class` ``options``, the ``video_*`` sampling options (:data:`SAMPLING_OPTIONS`) and the
+        subclass's own (:meth:`_timing_options`).
 
         Raises:
             ValueError: the tokenizer lacks an image token, or an option is out of range (named).
         """
-        video = {k: options.pop(k) for k in VIDEO_OPTIONS if k in options}
-        tokens_per_second = video.pop("tokens_per_second", 2.0)
-        pixels = {k: video.pop(k) for k in ("video_min_pixels", "video_max_pixels") if k in video}
-        processor = Qwen2VLImageProcessor(**options, **pixels)  # type: ignore[arg-type]
+        sampling = {k: options.pop(k) for k in SAMPLING_OPTIONS if k in options}
+        timing = cls._timing_options(options)
+        processor = cls.processor_class(**options)
         return cls(
             processor,
             **token_ids(tokenizer, cls.tokens, cls.name),
             video_token_id=special_token_id(tokenizer, cls.video_token),
-            sampling=video_sampling(processor.temporal_patch_size, **video),
-            tokens_per_second=tokens_per_second,
+            sampling=video_sampling(processor.temporal_patch_size, cls.sampling_class, **sampling),
+            **timing,
         )
+
+    @classmethod
+    def _timing_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """The constructor arguments of the subclass taken out of ``options`` (none here)."""
+        return {}
 
     @property
     def special_token_ids(self) -> dict[str, int]:
@@ -241,20 +249,28 @@ class Qwen2VLVisionInputs:
         """The ``(t, h, w)`` patch grid of the sampled frames of a video.
 
         Raises:
-            ValueError: the video is too short for the sampling, or its frames have an aspect ratio Qwen2-VL
+            ValueError: the video is too short for the sampling, or its frames have an aspect ratio the processor
                 refuses.
         """
         return self.processor.video_grid(len(self.sampling.indices(info)), info.height, info.width)
 
-    def video_placeholder_ids(self, info: VideoInfo) -> list[int]:
-        """``<|vision_start|>``, one ``<|video_pad|>`` per merged patch of the sampled frames, ``<|vision_end|>``.
+    def _video_token_id(self) -> int:
+        if self.video_token_id is None:
+            raise ValueError(f"the tokenizer has no {self.video_token} token for videos")
+        return self.video_token_id
+
+    def video_text(self, info: VideoInfo) -> str:
+        """The video token, once."""
+        return self.video_token
+
+    def video_placeholders(self, info: VideoInfo) -> list[list[int]]:
+        """One item: ``<|vision_start|>``, one ``<|video_pad|>`` per merged patch of the sampled frames,
+        ``<|vision_end|>``.
 
         Raises:
             ValueError: the tokenizer has no ``<|video_pad|>``.
         """
-        if self.video_token_id is None:
-            raise ValueError(f"the tokenizer has no {self.video_token} token for videos")
-        return self._placeholder(self.video_token_id, self.video_grid(info))
+        return [self._placeholder(self._video_token_id(), self.video_grid(info))]
 
     def video_num_patches(self, info: VideoInfo) -> int:
         """Rows of ``pixel_values_videos`` the video becomes: ``t * h * w``."""
@@ -265,17 +281,13 @@ class Qwen2VLVisionInputs:
         return self.processor.preprocess_images(images)
 
     def process_videos(self, videos: Sequence[np.ndarray], infos: Sequence[VideoInfo]) -> dict[str, Tensor]:
-        """``pixel_values_videos [patches, patch_dim]``, ``video_grid_thw [videos, 3]`` and ``second_per_grid_ts
-        [videos]`` (float32, as transformers' processor gives it) of the sampled frames ``videos`` (uint8
-        ``[T, H, W, 3]`` each) of videos whose headers said ``infos``."""
-        out = self.processor.preprocess_videos(videos)
-        seconds = [self.sampling.seconds_per_grid(info) for info in infos]
-        return {**out, "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32)}
+        """``pixel_values_videos [patches, patch_dim]`` and ``video_grid_thw [videos, 3]`` of the sampled frames
+        ``videos`` (uint8 ``[T, H, W, 3]`` each) of videos whose headers said ``infos``."""
+        return self.processor.preprocess_videos(videos)
 
     def positions(self, input_ids: Tensor, inputs: dict[str, Tensor]) -> Tensor:
         """``[3, n]`` multimodal RoPE positions (:func:`~forge_lightning.modules.vlm.positions.get_rope_index`),
-        Qwen2.5-VL's video timing with :attr:`tokens_per_second`."""
-        videos = inputs.get("video_grid_thw")
+        the videos timed by :meth:`_video_timing`."""
         positions_3BN, _ = get_rope_index(
             input_ids[None],
             image_token_id=self.image_token_id,
@@ -284,23 +296,112 @@ class Qwen2VLVisionInputs:
             else self.video_token_id,  # -1: an id no token has
             spatial_merge_size=self.processor.merge_size,
             image_grid_thw=inputs.get("image_grid_thw"),
-            video_grid_thw=videos,
-            second_per_grid_ts=inputs.get("second_per_grid_ts"),
-            tokens_per_second=None if videos is None else self.tokens_per_second,
+            video_grid_thw=inputs.get("video_grid_thw"),
+            **self._video_timing(inputs),
         )
         return positions_3BN[:, 0]
+
+    def _video_timing(self, inputs: dict[str, Tensor]) -> dict[str, Any]:
+        """The video timing arguments of :func:`get_rope_index` for a sample's ``inputs``."""
+        raise NotImplementedError
+
+
+class Qwen2VLVisionInputs(QwenVLVisionInputs):
+    """Qwen2-VL / Qwen2.5-VL images and videos: each video one ``<|vision_start|>`` ... ``<|vision_end|>`` item
+    (:class:`QwenVLVisionInputs`), its frames timed by ``second_per_grid_ts`` and ``tokens_per_second``.
+
+    Args:
+        tokens_per_second: Qwen2.5-VL's temporal positions per second of video (the model's
+            ``vision_config.tokens_per_second``), for the positions of packed rows.
+        Other arguments: as :class:`QwenVLVisionInputs`.
+    """
+
+    name: ClassVar[str] = "qwen2_vl"
+    options: ClassVar[tuple[str, ...]] = (*QwenVLVisionInputs.options, "tokens_per_second")
+
+    def __init__(
+        self, processor: Qwen2VLImageProcessor, *, tokens_per_second: float = 2.0, **ids: Any
+    ) -> None:
+        super().__init__(processor, **ids)
+        if not tokens_per_second > 0:
+            raise ValueError(f"tokens_per_second ({tokens_per_second}) must be positive")
+        self.tokens_per_second = tokens_per_second
+
+    @classmethod
+    def _timing_options(cls, options: dict[str, Any]) -> dict[str, Any]:
+        return (
+            {"tokens_per_second": options.pop("tokens_per_second")} if "tokens_per_second" in options else {}
+        )
+
+    def process_videos(self, videos: Sequence[np.ndarray], infos: Sequence[VideoInfo]) -> dict[str, Tensor]:
+        """``pixel_values_videos [patches, patch_dim]``, ``video_grid_thw [videos, 3]`` and ``second_per_grid_ts
+        [videos]`` (float32, as transformers' processor gives it) of the sampled frames ``videos`` (uint8
+        ``[T, H, W, 3]`` each) of videos whose headers said ``infos``."""
+        out = self.processor.preprocess_videos(videos)
+        seconds = [self.sampling.seconds_per_grid(info) for info in infos]
+        return {**out, "second_per_grid_ts": torch.tensor(seconds, dtype=torch.float32)}
+
+    def _video_timing(self, inputs: dict[str, Tensor]) -> dict[str, Any]:
+        """Qwen2.5-VL's: ``second_per_grid_ts`` at :attr:`tokens_per_second`."""
+        has_videos = inputs.get("video_grid_thw") is not None
+        return {
+            "second_per_grid_ts": inputs.get("second_per_grid_ts"),
+            "tokens_per_second": self.tokens_per_second if has_videos else None,
+        }
+
+
+class Qwen3VLVisionInputs(QwenVLVisionInputs):
+    """Qwen3-VL images and videos (transformers' ``Qwen3VLProcessor``): images as Qwen2-VL's with the patches of
+    :class:`Qwen3VLImageProcessor`; a video written as one item per temporal patch, each after its time as text
+    (``<0.3 seconds>``, :meth:`~forge_lightning.datamodules.vlm.video.Qwen3VideoSampling.timestamps`), its frames
+    sampled by :class:`~forge_lightning.datamodules.vlm.video.Qwen3VideoSampling`; no ``second_per_grid_ts``, and
+    positions with every frame its own item (``split_video_frames``).
+
+    Args: as :class:`QwenVLVisionInputs` (``sampling`` a :class:`Qwen3VideoSampling`).
+    """
+
+    name: ClassVar[str] = "qwen3_vl"
+    options: ClassVar[tuple[str, ...]] = (*QwenVLVisionInputs.options, "video_cap_pixels_per_frame")
+    processor_class: ClassVar[type[Qwen2VLImageProcessor]] = Qwen3VLImageProcessor
+    sampling_class: ClassVar[type[VideoSampling]] = Qwen3VideoSampling
+
+    def __init__(self, processor: Qwen2VLImageProcessor, **ids: Any) -> None:
+        super().__init__(processor, **ids)
+        if not isinstance(self.sampling, Qwen3VideoSampling):
+            raise TypeError(
+                f"Qwen3-VL samples frames with a Qwen3VideoSampling, got a {type(self.sampling).__name__}"
+            )
+
+    def video_text(self, info: VideoInfo) -> str:
+        """``<t seconds>`` (one decimal) and the video token for each temporal patch."""
+        sampling = cast(Qwen3VideoSampling, self.sampling)
+        return "".join(f"<{t:.1f} seconds>{self.video_token}" for t in sampling.timestamps(info))
+
+    def video_placeholders(self, info: VideoInfo) -> list[list[int]]:
+        """One item per temporal patch: ``<|vision_start|>``, one ``<|video_pad|>`` per merged patch of a frame,
+        ``<|vision_end|>``.
+
+        Raises:
+            ValueError: the tokenizer has no ``<|video_pad|>``.
+        """
+        t, h, w = self.video_grid(info)
+        return [self._placeholder(self._video_token_id(), (1, h, w))] * t
+
+    def _video_timing(self, inputs: dict[str, Tensor]) -> dict[str, Any]:
+        """Every frame its own item: time advances through the timestamp text."""
+        return {"split_video_frames": True}
 
 
 def video_sampling(
     temporal_patch_size: int,
+    sampling_class: type[VideoSampling] = VideoSampling,
     *,
     video_fps: float | None = None,
     video_num_frames: int | None = None,
     video_min_frames: int | None = None,
     video_max_frames: int | None = None,
 ) -> VideoSampling:
-    """The :class:`VideoSampling` of the data module's ``video_*`` options (unset ones keep transformers'
-    defaults).
+    """The ``sampling_class`` of the data module's ``video_*`` options (unset ones keep transformers' defaults).
 
     Raises:
         ValueError: both ``video_fps`` and ``video_num_frames``, or a value out of range (named).
@@ -313,7 +414,7 @@ def video_sampling(
     given = {"fps": video_fps, "num_frames": video_num_frames}
     given |= {"min_frames": video_min_frames, "max_frames": video_max_frames}
     try:
-        return VideoSampling(
+        return sampling_class(
             temporal_patch_size=temporal_patch_size, **{k: v for k, v in given.items() if v is not None}
         )
     except ValueError as error:  # name the data module's options, not the dataclass fields
@@ -406,8 +507,9 @@ class FixedResolutionVisionInputs:
         return None
 
 
-PROCESSORS: dict[str, type[Qwen2VLVisionInputs] | type[FixedResolutionVisionInputs]] = {
+PROCESSORS: dict[str, type[QwenVLVisionInputs] | type[FixedResolutionVisionInputs]] = {
     "qwen2_vl": Qwen2VLVisionInputs,
+    "qwen3_vl": Qwen3VLVisionInputs,
     "fixed": FixedResolutionVisionInputs,
 }
 """The built-in :class:`VisionInputs` by name."""

@@ -482,6 +482,12 @@ class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.Lightnin
                 )
         for name, value in datamodule.vision_settings.items():
             ours = getattr(self.config, name)
+            if value is None and ours is not None:
+                raise ValueError(
+                    f"the model's {name} is {ours} but the data module's videos have none (their time is "
+                    "timestamp text, Qwen3-VL's): set data.init_args.processor to the model's (qwen2_vl for "
+                    "Qwen2-VL / Qwen2.5-VL)"
+                )
             if ours is not None and ours != value:
                 raise ValueError(
                     f"the model's {name} is {ours} but the data module's is {value}: set data.init_args.{name} to "
