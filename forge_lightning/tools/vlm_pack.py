@@ -10,6 +10,7 @@ same data options; the bins are those the online packer gives for the same seed 
 from __future__ import annotations
 
 import argparse
+import json
 
 # Data options of VLMDataModule that shape the samples (so the scan here equals the training run's).
 _SAMPLE_OPTIONS = ("image_root", "template", "train_on", "processor", "on_bad_sample")
@@ -27,6 +28,9 @@ _VISION_OPTIONS = (
     "video_max_pixels",
 )
 _FLOAT_OPTIONS = ("video_fps",)
+# llava_onevision's tile geometry: a name, and the pinpoints as JSON ("[[384, 384], [384, 768]]").
+_TEXT_OPTIONS = ("vision_aspect_ratio",)
+_JSON_OPTIONS = ("image_grid_pinpoints",)
 
 
 def vlm_pack(args: argparse.Namespace) -> None:
@@ -36,7 +40,7 @@ def vlm_pack(args: argparse.Namespace) -> None:
 
     options = {
         k: getattr(args, k)
-        for k in (*_SAMPLE_OPTIONS, *_VISION_OPTIONS, *_FLOAT_OPTIONS)
+        for k in (*_SAMPLE_OPTIONS, *_VISION_OPTIONS, *_FLOAT_OPTIONS, *_TEXT_OPTIONS, *_JSON_OPTIONS)
         if getattr(args, k) is not None
     }
     dm = VLMDataModule(
@@ -89,4 +93,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         p.add_argument(f"--{name.replace('_', '-')}", type=int, default=None, help=f"as data.{name}")
     for name in _FLOAT_OPTIONS:
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=None, help=f"as data.{name}")
+    for name in _TEXT_OPTIONS:
+        p.add_argument(f"--{name.replace('_', '-')}", default=None, help=f"as data.{name}")
+    for name in _JSON_OPTIONS:
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=json.loads, default=None, help=f"as data.{name} (JSON)"
+        )
     p.set_defaults(func=vlm_pack)

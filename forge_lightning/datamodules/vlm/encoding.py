@@ -21,7 +21,7 @@ import numpy as np
 from forge_lightning.datamodules.chat import ChatEncoder, ChatFormatError, Conversation
 from forge_lightning.datamodules.vlm.records import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from forge_lightning.datamodules.vlm.video import VideoInfo
-from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs, VisionInputs
+from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs, VisionInputs, image_placeholder_ids
 
 
 @dataclass
@@ -149,5 +149,7 @@ class VLMEncoder:
                     f"{source}: the rendered text holds {len(at)} {kind} token(s) {token!r} but the record has "
                     f"{len(items)} {kind}(s); the text must not contain that token itself"
                 )
-            out |= {int(position): placeholder(item) for position, item in zip(at, items)}
+            # images: all of the sample's at once (an image's tokens may depend on the others')
+            ids = image_placeholder_ids(vision, items) if kind == "image" else [placeholder(i) for i in items]
+            out |= {int(position): item_ids for position, item_ids in zip(at, ids)}
         return out
