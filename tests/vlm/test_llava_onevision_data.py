@@ -4,7 +4,8 @@ released geometry; token ids equal to ``LlavaOnevisionProcessor``'s on the same 
 transformers' ``default_sample_indices_fn`` with the processor's token count; a data-module batch (multi-image,
 video, single image, text only) through a tiny OneVision ``VisionLanguageModel`` equal to
 ``LlavaOnevisionForConditionalGeneration`` on transformers' processor output (logits 1e-4, loss 1e-5, every gradient
-1e-4); bad samples named and counted."""
+1e-4); packed rows with each token's unpacked loss and ``forge-data vlm-pack``'s bins; ``trainer.fit`` on the
+records; bad samples named and counted."""
 
 from __future__ import annotations
 
@@ -379,6 +380,55 @@ def test_packed_rows_give_each_token_its_unpacked_loss(tokenizer_dir, tokenizer,
     argv += ["--image-grid-pinpoints", json.dumps(PINPOINTS), "--vision-aspect-ratio", ASPECT]
     forge_data([*argv, "--video-num-frames", str(NUM_FRAMES)])
     assert _datamodule(tokenizer_dir, train, packed_bins=str(out)).train_dataset.bins == rows.bins
+
+
+def test_fine_tuning_through_the_data_module(tokenizer_dir, tokenizer, data, tmp_path) -> None:
+    """``trainer.fit`` of a OneVision checkpoint on image, multi-image, video and text records lowers the loss; the
+    module's setup accepts the data's token ids, and the export loads in transformers."""
+    import lightning.pytorch as pl
+
+    from forge_lightning.modules.vlm import VisionLanguageModule
+
+    _hf_model(tokenizer, tmp_path / "hf")
+    module = VisionLanguageModule(
+        pretrained=str(tmp_path / "hf"),
+        optimizer={"lr": 3e-3, "weight_decay": 0.0},
+        scheduler={"name": "constant", "warmup_steps": 0},
+    )
+    dm = _datamodule(tokenizer_dir, _write(data / "train.jsonl", RECORDS))
+    batch = next(iter(dm.train_dataloader()))
+    with torch.no_grad():
+        before = (lambda s: (s[0] / s[1]).item())(module.loss_sum(batch))
+    trainer = pl.Trainer(
+        max_steps=6,
+        accelerator="cpu",
+        devices=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+        default_root_dir=tmp_path,
+    )
+    trainer.fit(module, datamodule=dm)
+    with torch.no_grad():
+        after = (lambda s: (s[0] / s[1]).item())(module.loss_sum(batch))
+    assert after < 0.8 * before, (before, after)
+    module.save_pretrained(tmp_path / "out")
+    again = LlavaOnevisionForConditionalGeneration.from_pretrained(tmp_path / "out").eval()
+    keys = (
+        "input_ids",
+        "attention_mask",
+        "pixel_values",
+        "image_sizes",
+        "batch_num_images",
+        "pixel_values_videos",
+    )
+    with torch.no_grad():
+        ours = module.model.eval()(**{k: batch[k] for k in keys})
+        theirs = again(**{k: batch[k] for k in keys}).logits
+    assert (ours - theirs)[batch["attention_mask"].bool()].abs().max().item() <= LOGITS_TOL
 
 
 def test_bad_samples_are_named_and_counted(tokenizer_dir, data, caplog) -> None:

@@ -202,6 +202,9 @@ class UniformFrameSampling:
     """``num_frames`` frames spread evenly over a video: ``arange(num_frames) * total // num_frames``
     (transformers' ``default_sample_indices_fn``, which LLaVA-OneVision's video processor uses).
 
+    It stands where the video readers take a :class:`~forge_lightning.datamodules.vlm.video.VideoSampling`:
+    they call only :meth:`indices`.
+
     Args:
         num_frames: frames per video (every video of a batch has as many: ``pixel_values_videos`` is one tensor).
     """

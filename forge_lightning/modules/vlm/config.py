@@ -9,7 +9,7 @@ projector that architecture has, whether the LLM takes multimodal RoPE positions
     qwen3_vit     Qwen3-VL     qwen3_vl     none        interleaved M-RoPE     image / video / vision start, end
     siglip        LLaVA        llava        mlp         1-D (the LLM's own)    image
     clip          LLaVA        llava        mlp         1-D (the LLM's own)    image
-    siglip_anyres LLaVA-OV     llava_onevision  mlp_newline  1-D               image, video (kept, not encoded)
+    siglip_anyres LLaVA-OV     llava_onevision  mlp_newline  1-D               image, video
 
 LLaVA reads both towers: its ``vision_config`` ``model_type`` picks one (none means CLIP, as in transformers).
 """
