@@ -10,6 +10,7 @@ same data options; the bins are those the online packer gives for the same seed 
 from __future__ import annotations
 
 import argparse
+import json
 
 # Data options of VLMDataModule that shape the samples (so the scan here equals the training run's).
 _SAMPLE_OPTIONS = ("image_root", "template", "train_on", "processor", "on_bad_sample")
@@ -28,6 +29,9 @@ _VISION_OPTIONS = (
 )
 _FLOAT_OPTIONS = ("video_fps",)
 _FLAG_OPTIONS = ("video_cap_pixels_per_frame",)
+# llava_onevision's tile geometry: a name, and the pinpoints as JSON ("[[384, 384], [384, 768]]").
+_TEXT_OPTIONS = ("vision_aspect_ratio",)
+_JSON_OPTIONS = ("image_grid_pinpoints",)
 
 
 def vlm_pack(args: argparse.Namespace) -> None:
@@ -37,7 +41,14 @@ def vlm_pack(args: argparse.Namespace) -> None:
 
     options = {
         k: getattr(args, k)
-        for k in (*_SAMPLE_OPTIONS, *_VISION_OPTIONS, *_FLOAT_OPTIONS, *_FLAG_OPTIONS)
+        for k in (
+            *_SAMPLE_OPTIONS,
+            *_VISION_OPTIONS,
+            *_FLOAT_OPTIONS,
+            *_FLAG_OPTIONS,
+            *_TEXT_OPTIONS,
+            *_JSON_OPTIONS,
+        )
         if getattr(args, k) is not None
     }
     dm = VLMDataModule(
@@ -96,4 +107,10 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         default=None,
         help="as data.video_cap_pixels_per_frame (qwen3_vl)",
     )
+    for name in _TEXT_OPTIONS:
+        p.add_argument(f"--{name.replace('_', '-')}", default=None, help=f"as data.{name}")
+    for name in _JSON_OPTIONS:
+        p.add_argument(
+            f"--{name.replace('_', '-')}", type=json.loads, default=None, help=f"as data.{name} (JSON)"
+        )
     p.set_defaults(func=vlm_pack)

@@ -35,6 +35,7 @@ from forge_lightning.modules.vlm.anyres import (
     best_resolution,
     num_image_tokens,
     num_tiles,
+    num_video_tokens,
 )
 
 VOCAB = 512
@@ -200,7 +201,7 @@ def _tiny(**vision) -> VLMConfig:
             r"feature_select_strategy \('default'\) must be 'full' for "
             "siglip_anyres",
         ),
-        ({"patch_size": 3}, r"vision.patch_size \(3\) must divide vision.image_size \(16\)"),
+        ({"patch_size": 17}, r"vision.patch_size \(17\) must not exceed vision.image_size \(16\)"),
     ],
 )
 def test_vision_config_errors_name_the_field(vision: dict, match: str) -> None:
@@ -237,8 +238,117 @@ def test_bad_inputs_are_named(pair) -> None:
         ValueError, match=rf"image_sizes give {count} image features .*but {count - 1} were found"
     ):
         model(**{**batch, "input_ids": ids})
-    with pytest.raises(ValueError, match=r"vision.type 'siglip_anyres' does not take pixel_values_videos"):
+    with pytest.raises(
+        ValueError,
+        match=r"pixel_values_videos give 9 video features \(1 video\(s\) of 2 frames: 9 each, .*but 0 were found",
+    ):
         model(**batch, pixel_values_videos=torch.zeros(1, 2, 3, SIZE, SIZE))
+    with pytest.raises(ValueError, match=r"pixel_values_videos must be \[num_videos, num_frames, 3"):
+        model(**batch, pixel_values_videos=torch.zeros(2, 3, SIZE, SIZE))
+    with pytest.raises(
+        ValueError, match=r"batch_num_images \(\[2, 2\]: images per sample\) must be non-negative and add up"
+    ):
+        model(**batch, batch_num_images=torch.tensor([2, 2]))
+
+
+# A multi-image row (each image its base tile alone), a row of two 3-frame videos, a tiled image, text only.
+MIXED_IMAGES = [[(8, 30), (50, 30)], [], [(20, 40)], []]
+MIXED_VIDEOS = [0, 2, 0, 0]
+FRAMES = 3
+
+
+def _mixed_batch(vision: AnyResVisionConfig, *, padded_pixels: bool = False) -> dict[str, torch.Tensor]:
+    """The batch as transformers' processor lays it out: ``batch_num_images`` counts the rows with images."""
+    rows, sizes, tiles, counts = [], [], [], []
+    for b, (images, videos) in enumerate(zip(MIXED_IMAGES, MIXED_VIDEOS)):
+        tiled = len(images) == 1
+        row = text(3, b)
+        for i, size in enumerate(images):
+            row += [IMAGE] * num_image_tokens(vision, size, tiled) + text(2, 10 * b + i)
+            tiles.append(num_tiles(vision, size, tiled))
+        for i in range(videos):
+            row += [VIDEO] * num_video_tokens(vision, FRAMES) + text(2, 20 * b + i)
+        rows.append(row)
+        sizes += images
+        counts += [len(images)] if images else []
+    ids, mask = right_padded(rows)
+    generator, S = torch.Generator().manual_seed(11), vision.image_size
+    pixels = torch.randn(sum(tiles), 3, S, S, generator=generator)
+    if padded_pixels:
+        padded = torch.zeros(len(tiles), max(tiles), 3, S, S)
+        for i, image in enumerate(pixels.split(tiles)):
+            padded[i, : len(image)] = image
+        pixels = padded
+    videos = torch.randn(sum(MIXED_VIDEOS), FRAMES, 3, S, S, generator=generator)
+    return dict(
+        input_ids=ids,
+        attention_mask=mask,
+        pixel_values=pixels,
+        image_sizes=torch.tensor(sizes),
+        batch_num_images=torch.tensor(counts),
+        pixel_values_videos=videos,
+    )
+
+
+def test_mixed_batch_token_counts(pair) -> None:
+    """Base tile + one newline in the multi-image row; 3 frames of 2 x 2 pooled features + one newline per video;
+    the tiled image as before (counts equal transformers' processor rule for each)."""
+    vision = pair[1].config.vision
+    assert vision.grid_side == 4
+    assert [num_image_tokens(vision, s, False) for s in MIXED_IMAGES[0]] == [17, 17]
+    assert num_video_tokens(vision, FRAMES) == 3 * 4 + 1
+    processor = LlavaOnevisionProcessor.__new__(LlavaOnevisionProcessor)
+    processor.num_image_tokens = vision.grid_side**2
+    processor.vision_feature_select_strategy = "full"
+    processor.video_token = "<video>"
+    video = processor.replace_video_token({"pixel_values_videos": torch.zeros(1, FRAMES, 3, SIZE, SIZE)}, 0)
+    assert video == "<video>" * num_video_tokens(vision, FRAMES)
+    processor.image_token = "<image>"
+    inputs = {"batch_num_images": [2, 1], "image_sizes": [[8, 30], [50, 30], [20, 40]]}
+    inputs["pixel_values"] = torch.zeros(3, 1, 3, SIZE, SIZE)
+    processor.image_processor = type("P", (), {"image_grid_pinpoints": PINPOINTS})()
+    processor.vision_aspect_ratio = ASPECT
+    counts = [processor.replace_image_token(inputs, i).count("<image>") for i in range(3)]
+    assert counts == [17, 17, num_image_tokens(vision, (20, 40))]
+
+
+@pytest.mark.parametrize("padded_pixels", [False, True])
+def test_mixed_batch_matches_transformers(pair, padded_pixels: bool) -> None:
+    """Multi-image row, video row, single-image row and text-only row in one batch: logits, loss, gradients."""
+    hf, model = pair
+    batch = _mixed_batch(model.config.vision, padded_pixels=padded_pixels)
+    assert_matches_transformers(model, hf, batch, (IMAGE, VIDEO))
+
+
+def test_odd_feature_grid_matches_transformers(tmp_path: Path) -> None:
+    """Tiles of 22 pixels with patches of 4 (5 features a side, the last 2 pixels unread, as SigLIP's 384 / 14):
+    video frames pool 5 x 5 to 3 x 3."""
+    S = 22
+    vision = {**TINY_SIGLIP_VISION, "image_size": S}
+    pinpoints = [[S, S], [S, 2 * S], [2 * S, S], [2 * S, 2 * S], [3 * S, 3 * S]]
+    config = _hf_config(
+        vision_config=HFSiglipVisionConfig(**vision, vision_use_head=False), image_grid_pinpoints=pinpoints
+    )
+    hf = randomize(LlavaOnevisionForConditionalGeneration(config))
+    hf.save_pretrained(tmp_path)
+    model = from_pretrained(tmp_path)
+    assert model.config.vision.grid_side == 5 and num_video_tokens(model.config.vision, FRAMES) == 3 * 9 + 1
+    assert_matches_transformers(model, hf, _mixed_batch(model.config.vision), (IMAGE, VIDEO))
+
+
+def test_mixed_batch_zero_counts_and_errors(pair) -> None:
+    """``batch_num_images`` with the text rows as zeros reads the same; a video-token count that differs is
+    named."""
+    hf, model = pair
+    batch = _mixed_batch(model.config.vision)
+    zeros = {**batch, "batch_num_images": torch.tensor([2, 0, 1, 0])}
+    with torch.no_grad():
+        torch.testing.assert_close(model(**zeros), model(**batch), atol=0, rtol=0)
+    assert max_logits_diff(model, hf, zeros) <= LOGITS_TOL
+    ids = batch["input_ids"].clone()
+    ids[1, 3] = 7
+    with pytest.raises(ValueError, match=r"pixel_values_videos give 26 video features .*but 25 were found"):
+        model(**{**batch, "input_ids": ids})
 
 
 def test_fresh_model_trains(pair) -> None:

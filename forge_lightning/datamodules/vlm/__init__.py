@@ -1,6 +1,6 @@
 """Vision-language data: image / video + text conversations (LLaVA, ShareGPT with images / videos, OpenAI content
-parts), their encoding with vision tokens, Qwen2-VL / Qwen2.5-VL / Qwen3-VL image and video inputs and
-fixed-resolution image inputs, and the datamodule.
+parts), their encoding with vision tokens, Qwen2-VL / Qwen2.5-VL / Qwen3-VL image and video inputs,
+fixed-resolution image inputs, LLaVA-OneVision's any-resolution image and video inputs, and the datamodule.
 
 Public names are imported lazily, as in the other data packages.
 """
@@ -14,6 +14,8 @@ _EXPORTS = {
     "BadSampleError": "scan",
     "FixedResolutionVisionInputs": "vision_inputs",
     "ImageSource": "records",
+    "LlavaOnevisionImageProcessor": "anyres_processor",
+    "LlavaOnevisionVisionInputs": "anyres_processor",
     "PROCESSORS": "vision_inputs",
     "Qwen2VLImageProcessor": "image_processor",
     "Qwen2VLVisionInputs": "vision_inputs",
@@ -41,6 +43,8 @@ __all__ = [
     "BadSampleError",
     "FixedResolutionVisionInputs",
     "ImageSource",
+    "LlavaOnevisionImageProcessor",
+    "LlavaOnevisionVisionInputs",
     "PROCESSORS",
     "Qwen2VLImageProcessor",
     "Qwen2VLVisionInputs",
@@ -65,6 +69,10 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
+    from forge_lightning.datamodules.vlm.anyres_processor import (
+        LlavaOnevisionImageProcessor,
+        LlavaOnevisionVisionInputs,
+    )
     from forge_lightning.datamodules.vlm.datamodule import VLMDataModule
     from forge_lightning.datamodules.vlm.dataset import VLMDataset, vlm_collate
     from forge_lightning.datamodules.vlm.encoding import VLMEncoder

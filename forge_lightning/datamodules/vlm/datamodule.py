@@ -38,7 +38,8 @@ class VLMDataModule(TokenDataModule):
     after expansion, assistant turns); bad ones are skipped and counted in one summary line, or raised
     (``on_bad_sample="error"``). Batches are right-padded: ``input_ids``, ``attention_mask``, ``labels`` (shifted
     next tokens, -100 where not trained, as in SFT), plus ``pixel_values`` (and ``image_grid_thw`` for ``qwen2_vl`` /
-    ``qwen3_vl``) when a sample of the batch has an image, and ``pixel_values_videos``, ``video_grid_thw`` (and
+    ``qwen3_vl``, ``image_sizes`` and ``batch_num_images`` for ``llava_onevision``) when a sample of the batch has an
+    image, and ``pixel_values_videos`` (and ``video_grid_thw`` for ``qwen2_vl`` / ``qwen3_vl``,
     ``second_per_grid_ts`` for ``qwen2_vl``) when one has a video.
     With ``pack``, training batches are packed rows instead (see :mod:`~forge_lightning.datamodules.vlm.packing`):
     ``input_ids``, ``labels``, ``document_ids``, ``position_ids`` ``[B, seq_length]`` (``[3, B, seq_length]``
@@ -56,18 +57,24 @@ class VLMDataModule(TokenDataModule):
         train_on: ``assistant``, ``last_assistant`` or ``all``.
         seq_length: most training positions of a sample after image expansion; longer samples are bad.
         processor: ``qwen2_vl`` (Qwen2-VL / Qwen2.5-VL dynamic resolution), ``qwen3_vl`` (Qwen3-VL: 16-pixel
-            patches, mean / std 0.5, timestamped video frames) or ``fixed`` (one square size, e.g. SigLIP).
+            patches, mean / std 0.5, timestamped video frames), ``fixed`` (one square size, e.g. SigLIP) or
+            ``llava_onevision`` (any-resolution tiles, videos of ``video_num_frames`` frames).
         min_pixels: ``qwen2_vl`` / ``qwen3_vl``: the least pixels of a resized image (default 3136).
         max_pixels: ``qwen2_vl`` / ``qwen3_vl``: the most pixels of a resized image (default 1003520).
         patch_size: side of a vision-encoder patch (default: the processor's, 14; 16 for ``qwen3_vl``).
         merge_size: ``qwen2_vl`` / ``qwen3_vl``: side of the square of patches merged into one token (default 2).
         temporal_patch_size: ``qwen2_vl`` / ``qwen3_vl``: frames per temporal patch (default 2).
-        image_size: ``fixed``: side of the square images are resized to (default 384).
-        video_fps: frames sampled per second of video (default 2.0; not with ``video_num_frames``).
+        image_size: ``fixed``: side of the square images are resized to; ``llava_onevision``: side of a tile
+            (default 384 for both).
+        image_grid_pinpoints: ``llava_onevision``: the ``[height, width]`` resolutions an image may be tiled at
+            (the model's ``image_grid_pinpoints``; default 1 to 6 tiles a side).
+        vision_aspect_ratio: ``llava_onevision``: the model's ``vision_aspect_ratio`` (default ``anyres_max_9``).
+        video_fps: ``qwen2_vl`` / ``qwen3_vl``: frames sampled per second of video (default 2.0; not with
+            ``video_num_frames``).
         video_num_frames: a fixed number of frames sampled per video instead (``qwen2_vl``: rounded to a
-            multiple of ``temporal_patch_size``).
-        video_min_frames: the least frames sampled at ``video_fps`` (default 4).
-        video_max_frames: the most frames sampled at ``video_fps`` (default 768).
+            multiple of ``temporal_patch_size``); ``llava_onevision``: the frames of every video (default 32).
+        video_min_frames: ``qwen2_vl`` / ``qwen3_vl``: the least frames sampled at ``video_fps`` (default 4).
+        video_max_frames: ``qwen2_vl`` / ``qwen3_vl``: the most frames sampled at ``video_fps`` (default 768).
         video_min_pixels: ``qwen2_vl``: the least pixels of a resized video frame (default 100352); ``qwen3_vl``:
             of all the sampled frames together (default 131072).
         video_max_pixels: ``qwen2_vl``: the most pixels of a resized video frame (default 602112); ``qwen3_vl``:
@@ -108,6 +115,8 @@ class VLMDataModule(TokenDataModule):
         merge_size: int | None = None,
         temporal_patch_size: int | None = None,
         image_size: int | None = None,
+        image_grid_pinpoints: list[list[int]] | None = None,
+        vision_aspect_ratio: str | None = None,
         video_fps: float | None = None,
         video_num_frames: int | None = None,
         video_min_frames: int | None = None,
@@ -147,6 +156,8 @@ class VLMDataModule(TokenDataModule):
             "merge_size": merge_size,
             "temporal_patch_size": temporal_patch_size,
             "image_size": image_size,
+            "image_grid_pinpoints": image_grid_pinpoints,
+            "vision_aspect_ratio": vision_aspect_ratio,
             "video_fps": video_fps,
             "video_num_frames": video_num_frames,
             "video_min_frames": video_min_frames,

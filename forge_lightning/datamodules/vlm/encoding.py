@@ -23,7 +23,7 @@ import numpy as np
 from forge_lightning.datamodules.chat import ChatEncoder, ChatFormatError, Conversation
 from forge_lightning.datamodules.vlm.records import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER
 from forge_lightning.datamodules.vlm.video import VideoInfo
-from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs, VisionInputs
+from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs, VisionInputs, image_placeholder_ids
 
 
 @dataclass
@@ -142,7 +142,7 @@ class VLMEncoder:
     ) -> dict[int, list[int]]:
         """The vision ids that replace the image or video token at each of its positions in ``tokens``."""
         vision = self.vision
-        images = [vision.placeholder_ids(size) for size in sizes]
+        images = image_placeholder_ids(vision, sizes)  # an image's tokens may depend on the sample's others
         kinds = [("image", vision.image_token, vision.image_token_id, len(sizes), images)]
         if vision.video_token_id is not None:
             runs = [run for v in videos for run in cast(VideoInputs, vision).video_placeholders(v)]

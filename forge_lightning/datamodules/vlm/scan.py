@@ -29,7 +29,7 @@ from forge_lightning.datamodules.vlm.records import (
 )
 from forge_lightning.datamodules.vlm.sources import RawRecord, open_sources
 from forge_lightning.datamodules.vlm.video import VideoFile, probe_video, read_video
-from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs
+from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs, image_num_patches
 
 ON_BAD_SAMPLE = ("skip", "error")
 
@@ -204,7 +204,7 @@ def _scan_record(raw: RawRecord, encoder: VLMEncoder, seq_length: int, verify_pi
     images = [_resolve(source, ref, raw) for ref in parsed.image_refs]
     sizes = [_probe(source, image, verify_pixels) for image in images]
     try:
-        num_patches = sum(encoder.vision.num_patches(size) for size in sizes)
+        num_patches = image_num_patches(encoder.vision, sizes)
     except ValueError as error:  # e.g. an aspect ratio smart_resize refuses
         raise BadSampleError(UNSUPPORTED_IMAGE, f"{source}: {error}") from None
     videos = [_scan_video(source, ref, raw, encoder, verify_pixels) for ref in parsed.video_refs]

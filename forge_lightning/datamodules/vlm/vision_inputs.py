@@ -17,6 +17,9 @@ pixel inputs the model takes. Three are built in (:data:`PROCESSORS`):
   with N the merged tokens of one frame; ``pixel_values_videos`` and ``video_grid_thw [videos, 3]``.
 * ``fixed``: a fixed-resolution encoder (SigLIP, CLIP as in LLaVA): ``(image_size // patch_size) ** 2`` x
   ``<image>``; ``pixel_values [images, 3, image_size, image_size]``.
+* ``llava_onevision``: LLaVA-OneVision's any-resolution tiles and videos
+  (:mod:`~forge_lightning.datamodules.vlm.anyres_processor`); an image's tokens depend on whether it is its
+  sample's only one (a :class:`SampleImageInputs`).
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import torch
 from PIL import Image
 from torch import Tensor
 
+from forge_lightning.datamodules.vlm.anyres_processor import LlavaOnevisionVisionInputs
 from forge_lightning.datamodules.vlm.image_processor import Qwen2VLImageProcessor, Qwen3VLImageProcessor
 from forge_lightning.datamodules.vlm.video import Qwen3VideoSampling, VideoInfo, VideoSampling
 from forge_lightning.modules.vlm.positions import get_rope_index
@@ -110,6 +114,34 @@ class VideoInputs(VisionInputs, Protocol):
 
 SAMPLING_OPTIONS = ("video_fps", "video_num_frames", "video_min_frames", "video_max_frames")
 """The data module's options of :func:`video_sampling`."""
+
+
+@runtime_checkable
+class SampleImageInputs(VisionInputs, Protocol):
+    """Vision inputs whose image tokens depend on the sample's other images (LLaVA-OneVision tiles an image only
+    when it is the sample's only one)."""
+
+    def sample_placeholder_ids(self, sizes: Sequence[tuple[int, int]]) -> list[list[int]]:
+        """The token ids that replace each image token of one sample whose images have ``sizes``."""
+        ...
+
+    def sample_num_patches(self, sizes: Sequence[tuple[int, int]]) -> int:
+        """The vision-encoder patches of one sample's images."""
+        ...
+
+
+def image_placeholder_ids(vision: VisionInputs, sizes: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """The token ids of each image of one sample whose images have ``sizes`` ``(width, height)``."""
+    if isinstance(vision, SampleImageInputs):
+        return vision.sample_placeholder_ids(sizes)
+    return [vision.placeholder_ids(size) for size in sizes]
+
+
+def image_num_patches(vision: VisionInputs, sizes: Sequence[tuple[int, int]]) -> int:
+    """The vision-encoder patches of one sample's images."""
+    if isinstance(vision, SampleImageInputs):
+        return vision.sample_num_patches(sizes)
+    return sum(vision.num_patches(size) for size in sizes)
 
 
 def special_token_id(tokenizer: Any, token: str) -> int | None:
@@ -507,9 +539,12 @@ class FixedResolutionVisionInputs:
         return None
 
 
-PROCESSORS: dict[str, type[QwenVLVisionInputs] | type[FixedResolutionVisionInputs]] = {
+PROCESSORS: dict[
+    str, type[QwenVLVisionInputs] | type[FixedResolutionVisionInputs] | type[LlavaOnevisionVisionInputs]
+] = {
     "qwen2_vl": Qwen2VLVisionInputs,
     "qwen3_vl": Qwen3VLVisionInputs,
     "fixed": FixedResolutionVisionInputs,
+    "llava_onevision": LlavaOnevisionVisionInputs,
 }
 """The built-in :class:`VisionInputs` by name."""

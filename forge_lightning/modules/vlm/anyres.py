@@ -9,7 +9,16 @@ packed into one run of ``<image>`` tokens::
               vision_aspect_ratio's max tiles ─ image_newline after every row ─ flatten ─ ┴─ [L, D]
 
 The geometry follows transformers' ``LlavaOnevisionModel.pack_image_features`` and its processor's token count
-(:func:`num_image_tokens`) exactly, rounding included.
+(:func:`num_image_tokens`) exactly, rounding included. The images of a multi-image sample (``batch_num_images``
+above 1) are not tiled: each is its base tile followed by one ``image_newline``.
+
+A video ``[frames, 3, S, S]`` runs through the same tower and projector frame by frame; each frame's
+``side x side`` features are pooled bilinearly to ``ceil(side / 2)`` a side (:func:`pool_frames`), the frames
+follow one another and one ``image_newline`` ends the video (:func:`pack_video`, transformers'
+``get_video_features``)::
+
+    frames [F, T, D] ─ [F, D, side, side] ─ bilinear to ceil(side / 2) a side ─ [F * ceil(side / 2) ** 2, D]
+                     ─ image_newline ─ [F * ceil(side / 2) ** 2 + 1, D]
 """
 
 from __future__ import annotations
@@ -18,7 +27,7 @@ import math
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -47,11 +56,6 @@ class AnyResVisionConfig(SiglipVisionConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.image_size % self.patch_size:
-            raise ValueError(
-                f"vision.patch_size ({self.patch_size}) must divide vision.image_size ({self.image_size}): the "
-                "tiles' features are laid out on a grid"
-            )
         if self.feature_select_strategy != "full":
             raise ValueError(
                 f"vision.feature_select_strategy ({self.feature_select_strategy!r}) must be 'full' for "
@@ -89,6 +93,31 @@ class AnyResVisionConfig(SiglipVisionConfig):
         return self.image_size // self.patch_size
 
 
+class AnyResGrid(Protocol):
+    """What the tiling geometry reads of a config: :class:`AnyResVisionConfig` has it, and so does the data
+    module's processor (``datamodules/vlm/anyres_processor.py``), so both count tokens with the same functions."""
+
+    @property
+    def image_size(self) -> int:
+        """Side of a tile in pixels."""
+        ...
+
+    @property
+    def grid_side(self) -> int:
+        """Features a side of one tile."""
+        ...
+
+    @property
+    def image_grid_pinpoints(self) -> list[list[int]]:
+        """The ``[height, width]`` resolutions an image may be tiled at."""
+        ...
+
+    @property
+    def max_tiles(self) -> int:
+        """``N`` of ``anyres_max_N``."""
+        ...
+
+
 def best_resolution(size_hw: Sequence[int], pinpoints: Sequence[Sequence[int]]) -> tuple[int, int]:
     """The pinpoint ``(height, width)`` an image of ``size_hw`` is tiled at: the one that keeps the most of its pixels
     when it is scaled to fit, and of those the one that wastes the least area."""
@@ -103,14 +132,17 @@ def best_resolution(size_hw: Sequence[int], pinpoints: Sequence[Sequence[int]]) 
     return best
 
 
-def tile_grid(config: AnyResVisionConfig, size_hw: Sequence[int]) -> tuple[int, int]:
+def tile_grid(config: AnyResGrid, size_hw: Sequence[int]) -> tuple[int, int]:
     """``(rows, cols)`` of tiles of an image of ``size_hw`` (beside its base tile)."""
     ph, pw = best_resolution(size_hw, config.image_grid_pinpoints)
     return ph // config.image_size, pw // config.image_size
 
 
-def num_tiles(config: AnyResVisionConfig, size_hw: Sequence[int]) -> int:
-    """The image's tiles in ``pixel_values``: its base tile and ``rows * cols`` grid tiles."""
+def num_tiles(config: AnyResGrid, size_hw: Sequence[int], tiled: bool = True) -> int:
+    """The image's tiles in ``pixel_values``: its base tile and ``rows * cols`` grid tiles (the base tile alone
+    when not ``tiled``: an image of a multi-image sample)."""
+    if not tiled:
+        return 1
     rows, cols = tile_grid(config, size_hw)
     return 1 + rows * cols
 
@@ -125,7 +157,7 @@ class _Layout(NamedTuple):
     shrink: bool
 
 
-def _layout(config: AnyResVisionConfig, size_hw: Sequence[int]) -> _Layout:
+def _layout(config: AnyResGrid, size_hw: Sequence[int]) -> _Layout:
     rows, cols = tile_grid(config, size_hw)
     side = config.grid_side
     H, W = rows * side, cols * side
@@ -142,18 +174,23 @@ def _layout(config: AnyResVisionConfig, size_hw: Sequence[int]) -> _Layout:
     return _Layout(*crop, out_hw, ratio > 1.1)
 
 
-def num_image_tokens(config: AnyResVisionConfig, size_hw: Sequence[int]) -> int:
+def num_image_tokens(config: AnyResGrid, size_hw: Sequence[int], tiled: bool = True) -> int:
     """``<image>`` tokens of one image of ``size_hw`` (height, width): the base tile's features, then each row of
-    the unpadded (and maybe shrunk) tile features and its newline."""
+    the unpadded (and maybe shrunk) tile features and its newline; the base tile's features and one newline when
+    not ``tiled`` (an image of a multi-image sample)."""
+    if not tiled:
+        return config.grid_side**2 + 1
     h, w = _layout(config, size_hw).out_hw
     return config.grid_side**2 + h * (w + 1)
 
 
 def pack_image(
-    config: AnyResVisionConfig, features_NTD: Tensor, size_hw: Sequence[int], newline_D: Tensor
+    config: AnyResGrid, features_NTD: Tensor, size_hw: Sequence[int], newline_D: Tensor, tiled: bool = True
 ) -> Tensor:
     """One image's projected features ``[L, D]`` (``L`` = :func:`num_image_tokens`) from those of its tiles
-    ``[1 + rows * cols, T, D]``, base tile first."""
+    ``[1 + rows * cols, T, D]``, base tile first (``[1, T, D]`` when not ``tiled``)."""
+    if not tiled:
+        return torch.cat([features_NTD[0], newline_D.to(features_NTD.dtype)[None]])
     rows, cols = tile_grid(config, size_hw)
     side = config.grid_side
     base_TD, tiles_NTD = features_NTD[0], features_NTD[1:]
@@ -172,11 +209,25 @@ def pack_image(
     return torch.cat([base_TD, rows_LD])
 
 
-def image_sizes_list(image_sizes: Tensor | Sequence[Sequence[int]] | None) -> list[tuple[int, int]]:
-    """``image_sizes`` (``[num_images, 2]``, height and width) as a list of pairs.
+class ImageLayout(NamedTuple):
+    """The images of a batch: each one's ``(height, width)`` before tiling and whether it is tiled (the images of
+    multi-image samples are not)."""
+
+    sizes: list[tuple[int, int]]
+    tiled: list[bool]
+
+
+def image_layout(
+    image_sizes: Tensor | Sequence[Sequence[int]] | None,
+    batch_num_images: Tensor | Sequence[int] | None = None,
+) -> ImageLayout:
+    """The :class:`ImageLayout` of ``image_sizes`` (``[num_images, 2]``, height and width) and ``batch_num_images``
+    (images per sample, in order; samples without images may be left out or given as 0), as transformers reads
+    them: without ``batch_num_images`` every image is tiled.
 
     Raises:
-        ValueError: it is missing, or not positive ``(height, width)`` pairs.
+        ValueError: ``image_sizes`` is missing or not positive ``(height, width)`` pairs, or ``batch_num_images``
+            does not add up to the number of images.
     """
     if image_sizes is None:
         raise ValueError(
@@ -186,27 +237,74 @@ def image_sizes_list(image_sizes: Tensor | Sequence[Sequence[int]] | None) -> li
     sizes = image_sizes.tolist() if isinstance(image_sizes, Tensor) else [list(s) for s in image_sizes]
     if any(len(s) != 2 or min(s) <= 0 for s in sizes):
         raise ValueError(f"image_sizes must be [num_images, 2] positive (height, width) pairs, got {sizes}")
-    return [(int(h), int(w)) for h, w in sizes]
+    if batch_num_images is None:
+        tiled = [True] * len(sizes)
+    else:
+        counts = batch_num_images.tolist() if isinstance(batch_num_images, Tensor) else list(batch_num_images)
+        if any(n < 0 for n in counts) or sum(counts) != len(sizes):
+            raise ValueError(
+                f"batch_num_images ({counts}: images per sample) must be non-negative and add up to the "
+                f"{len(sizes)} images of image_sizes"
+            )
+        tiled = [n == 1 for n in counts for _ in range(n)]
+    return ImageLayout([(int(h), int(w)) for h, w in sizes], tiled)
 
 
-def stack_tiles(config: AnyResVisionConfig, pixels: Tensor, sizes: Sequence[Sequence[int]]) -> Tensor:
+def tile_counts(config: AnyResGrid, layout: ImageLayout) -> list[int]:
+    """The tiles of each image of ``layout`` (:func:`num_tiles`)."""
+    return [num_tiles(config, s, t) for s, t in zip(layout.sizes, layout.tiled)]
+
+
+def stack_tiles(config: AnyResGrid, pixels: Tensor, layout: ImageLayout) -> Tensor:
     """The tiles of every image in order, ``[num_tiles, C, S, S]``, from ``pixels`` given that way or as a
     processor pads them, ``[num_images, max_tiles, C, S, S]``.
 
     Raises:
-        ValueError: the number of tiles or images differs from what ``sizes`` give.
+        ValueError: the number of tiles or images differs from what ``layout`` gives.
     """
-    counts = [num_tiles(config, s) for s in sizes]
+    counts = tile_counts(config, layout)
     if pixels.ndim == 5:
-        if pixels.shape[0] != len(sizes) or pixels.shape[1] < max(counts, default=0):
+        if pixels.shape[0] != len(counts) or pixels.shape[1] < max(counts, default=0):
             raise ValueError(
                 f"pixel_values [num_images, max_tiles, ...] has shape {list(pixels.shape)}, but image_sizes give "
-                f"{len(sizes)} images of {counts} tiles"
+                f"{len(counts)} images of {counts} tiles"
             )
         return torch.cat([p[:n] for p, n in zip(pixels, counts)])
     if pixels.ndim == 4 and pixels.shape[0] != sum(counts):
         raise ValueError(
             f"pixel_values hold {pixels.shape[0]} tiles, but image_sizes give {sum(counts)} ({counts} per image: "
-            "the base tile and the tiles of the best image_grid_pinpoints grid)"
+            "the base tile and the tiles of the best image_grid_pinpoints grid; the base tile alone for the images "
+            "of samples with several, batch_num_images)"
         )
     return pixels
+
+
+def pooled_side(config: AnyResGrid) -> int:
+    """Features a side of one video frame after pooling: ``ceil(grid_side / 2)``."""
+    return math.ceil(config.grid_side / 2)
+
+
+def num_video_tokens(config: AnyResGrid, num_frames: int) -> int:
+    """``<video>`` tokens of a video of ``num_frames`` frames: each frame's pooled features and one newline."""
+    return num_frames * pooled_side(config) ** 2 + 1
+
+
+def pool_frames(config: AnyResGrid, features_NTD: Tensor) -> Tensor:
+    """Each frame's ``side x side`` features shrunk bilinearly to :func:`pooled_side` a side:
+    ``[N, T, D] -> [N, pooled ** 2, D]`` (transformers' ``apply_pooling``)."""
+    N, T, D = features_NTD.shape
+    side, pooled = config.grid_side, pooled_side(config)
+    if side * side != T:
+        raise ValueError(
+            f"a video frame has {T} features, expected (image_size // patch_size) ** 2 = {side**2}"
+        )
+    maps_NDHW = features_NTD.view(N, side, side, D).permute(0, 3, 1, 2)
+    pooled_NDHW = F.interpolate(maps_NDHW, size=[pooled, pooled], mode="bilinear")
+    return pooled_NDHW.permute(0, 2, 3, 1).reshape(N, pooled * pooled, D)
+
+
+def pack_video(config: AnyResGrid, features_FTD: Tensor, newline_D: Tensor) -> Tensor:
+    """One video's projected features ``[L, D]`` (``L`` = :func:`num_video_tokens`) from those of its frames
+    ``[F, T, D]``: the pooled frames in order, then ``image_newline``."""
+    frames_LD = pool_frames(config, features_FTD).flatten(0, 1)
+    return torch.cat([frames_LD, newline_D.to(frames_LD.dtype)[None]])

@@ -10,7 +10,7 @@ projector that architecture has, whether the LLM takes multimodal RoPE positions
     qwen3_vit     Qwen3-VL-MoE qwen3_vl_moe none        interleaved M-RoPE     as Qwen3-VL (LLM qwen3_vl_moe_text)
     siglip        LLaVA        llava        mlp         1-D (the LLM's own)    image
     clip          LLaVA        llava        mlp         1-D (the LLM's own)    image
-    siglip_anyres LLaVA-OV     llava_onevision  mlp_newline  1-D               image, video (kept, not encoded)
+    siglip_anyres LLaVA-OV     llava_onevision  mlp_newline  1-D               image, video
 
 LLaVA reads both towers: its ``vision_config`` ``model_type`` picks one (none means CLIP, as in transformers). One
 vision type may stand for several families that differ in their LLM (:data:`FAMILY_VARIANTS`): the LLM's

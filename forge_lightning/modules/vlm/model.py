@@ -78,6 +78,7 @@ class VisionLanguageModel(nn.Module):
         image_sizes: Tensor | None = None,
         document_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
+        batch_num_images: Tensor | None = None,
     ) -> Tensor:
         """Logits ``[B, S, vocab]``; the arguments are those transformers' processor gives, plus packed rows'
         ``document_ids`` / ``position_ids`` (see :meth:`hidden_states`)."""
@@ -92,6 +93,7 @@ class VisionLanguageModel(nn.Module):
             image_sizes=image_sizes,
             document_ids=document_ids,
             position_ids=position_ids,
+            batch_num_images=batch_num_images,
         )
         return self.llm.lm_head(hidden_BSD)
 
@@ -108,6 +110,7 @@ class VisionLanguageModel(nn.Module):
         document_ids: Tensor | None = None,
         position_ids: Tensor | None = None,
         kv_cache: list[KVCache] | None = None,
+        batch_num_images: Tensor | None = None,
     ) -> Tensor:
         """The LLM's final hidden states ``[B, S, hidden]`` (after its last norm; the loss applies ``lm_head``).
 
@@ -119,7 +122,8 @@ class VisionLanguageModel(nn.Module):
             pixel_values: the images, in order over the batch: Qwen-VL ``[num_patches, patch_dim]`` patches,
                 LLaVA ``[num_images, 3, image_size, image_size]``.
             image_grid_thw: Qwen-VL: ``[num_images, 3]`` patch grids of the images.
-            pixel_values_videos: Qwen-VL: ``[num_patches, patch_dim]`` patches of the videos.
+            pixel_values_videos: Qwen-VL: ``[num_patches, patch_dim]`` patches of the videos; LLaVA-OneVision:
+                ``[num_videos, num_frames, 3, image_size, image_size]`` frames.
             video_grid_thw: Qwen-VL: ``[num_videos, 3]`` patch grids of the videos.
             second_per_grid_ts: Qwen2.5-VL: seconds per temporal grid step of each video (default 1); Qwen3-VL
                 times its frames with timestamp text instead and refuses it.
@@ -132,6 +136,8 @@ class VisionLanguageModel(nn.Module):
                 order). Takes no ``attention_mask``: padding is a document of its own.
             position_ids: the LLM positions (``[3, B, S]`` Qwen-VL, ``[B, S]`` LLaVA), e.g. computed per sample
                 by the data pipeline; default: computed here (per document when ``document_ids`` are given).
+            batch_num_images: LLaVA-OneVision: ``[num_samples]`` images per sample, as its processor returns it: the
+                images of samples with more than one are not tiled (their base tile alone, one newline).
             kv_cache: the LLM's empty per-layer caches (``llm.init_kv_cache``) to prefill with this prompt for
                 generation; decoding then continues on ``llm`` at positions shifted by the rope deltas of
                 :meth:`position_ids`.
@@ -147,12 +153,13 @@ class VisionLanguageModel(nn.Module):
             "video_grid_thw": video_grid_thw,
             "second_per_grid_ts": second_per_grid_ts,
             "image_sizes": image_sizes,
+            "batch_num_images": batch_num_images,
         }
         self._check_inputs(**inputs)
         x_BSD = self.llm.model.embed_tokens(input_ids)
         deepstack: list[Tensor] = []  # [B, S, D] per decoder layer: zero but at the placeholders
         for kind in self.tower.kinds:
-            pixels, grid = inputs[_PIXELS[kind]], inputs[self.tower.grid_inputs[kind]]
+            pixels, grid = inputs[_PIXELS[kind]], self.tower.layout(kind, inputs)
             x_BSD, layers = self._insert(x_BSD, input_ids, kind, pixels, grid)
             if layers:  # image and video placeholders differ, so their sum holds each at its own tokens
                 deepstack = [a + b for a, b in zip(deepstack, layers)] if deepstack else layers

@@ -75,6 +75,7 @@ MODEL_INPUTS = (
     "video_grid_thw",
     "second_per_grid_ts",
     "image_sizes",
+    "batch_num_images",
 )
 """Batch keys passed to :class:`VisionLanguageModel` beside ``input_ids`` and ``attention_mask``."""
 
@@ -438,7 +439,7 @@ class VisionLanguageModule(UnscaledGradientClipping, TokenLossSteps, pl.Lightnin
         for kind, pixels_key in {"image": "pixel_values", "video": "pixel_values_videos"}.items():
             pixels = batch.get(pixels_key)
             if pixels is not None and kind in tower.kinds:
-                grid = batch.get(tower.grid_inputs[kind])
+                grid = tower.layout(kind, batch)
                 flops += tower.training_flops(self.model.vision, pixels, grid)
         samples = len(lengths) if document_ids is not None else input_ids.shape[0]
         return {"samples": samples, "tokens": tokens, "flops": flops}

@@ -8,14 +8,22 @@ at the tower's positions. A new encoder is a :class:`VisionTower` here and a con
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from forge_lightning.modules.layers.attention import document_positions
-from forge_lightning.modules.vlm.anyres import image_sizes_list, num_tiles, pack_image, stack_tiles
+from forge_lightning.modules.vlm.anyres import (
+    ImageLayout,
+    image_layout,
+    num_video_tokens,
+    pack_image,
+    pack_video,
+    stack_tiles,
+    tile_counts,
+)
 from forge_lightning.modules.vlm.clip import ClipVisionTransformer
 from forge_lightning.modules.vlm.positions import get_packed_rope_index, get_rope_index
 from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionTransformer
@@ -47,6 +55,11 @@ class VisionTower:
     def placeholder(self, kind: str) -> str:
         """How the placeholder token of ``kind`` is written, for messages."""
         raise NotImplementedError
+
+    def layout(self, kind: str, inputs: Mapping[str, Any]) -> Any:
+        """What lays out the pixels of ``kind`` in a batch (the ``grid`` of :meth:`encode`), from the model's
+        inputs by name: the one :attr:`grid_inputs` names by default."""
+        return inputs.get(self.grid_inputs.get(kind, ""))
 
     def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:
         """The encoder's features of ``pixels``, one row per placeholder token: ``[num_tokens, out_hidden_size]``
@@ -330,36 +343,80 @@ class ClipVisionTower(SiglipVisionTower):
 
 class AnyResVisionTower(SiglipVisionTower):
     """LLaVA-OneVision: the SigLIP tower over every image's tiles (``pixel_values`` ``[num_tiles, 3, S, S]``, or
-    ``[num_images, max_tiles, 3, S, S]`` as its processor pads them) laid out by ``image_sizes``; after the projector
-    each image's features are packed with ``image_newline`` (:func:`~forge_lightning.modules.vlm.anyres.pack_image`).
-    1-D positions, as LLaVA's."""
+    ``[num_images, max_tiles, 3, S, S]`` as its processor pads them) laid out by ``image_sizes`` and
+    ``batch_num_images`` (the images of multi-image samples are their base tile alone); after the projector each
+    image's features are packed with ``image_newline``
+    (:func:`~forge_lightning.modules.vlm.anyres.pack_image`). Videos ``pixel_values_videos [videos, frames, 3, S,
+    S]``: every frame through the tower and the projector, pooled 2 x 2, one ``image_newline`` per video
+    (:func:`~forge_lightning.modules.vlm.anyres.pack_video`). 1-D positions, as LLaVA's."""
 
+    kinds = ("image", "video")
+    inputs = frozenset({"pixel_values", "image_sizes", "batch_num_images", "pixel_values_videos"})
     fixed_image_tokens = False
     grid_inputs = {"image": "image_sizes"}
 
-    def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None, kind: str) -> Tensor:
-        tiles = stack_tiles(encoder.config, pixels, image_sizes_list(grid_thw))
-        return encoder(tiles)  # [num_tiles, T, out_hidden_size]
+    def placeholder(self, kind: str) -> str:
+        return f"<{kind}>"
 
-    def arrange(
-        self, config: Any, projector: nn.Module, features: Tensor, grid: Tensor | None, kind: str
-    ) -> Tensor:
-        sizes = image_sizes_list(grid)
-        images = features.split([num_tiles(config.vision, s) for s in sizes])
+    def layout(self, kind: str, inputs: Mapping[str, Any]) -> ImageLayout | int | None:
+        """Images: their :class:`~forge_lightning.modules.vlm.anyres.ImageLayout` (``image_sizes`` and
+        ``batch_num_images``); videos: their number (every frame is one tile)."""
+        pixels = inputs.get(_PIXELS[kind])
+        if pixels is None:
+            return None
+        if kind == "video":
+            return pixels.shape[0]
+        return image_layout(inputs.get("image_sizes"), inputs.get("batch_num_images"))
+
+    def encode(self, encoder: nn.Module, pixels: Tensor, grid_thw: Any, kind: str) -> Tensor:
+        tiles = self._tiles(encoder, pixels, grid_thw, kind)
+        return encoder(tiles)  # [num_tiles or num_videos * num_frames, T, out_hidden_size]
+
+    def _tiles(self, encoder: nn.Module, pixels: Tensor, layout: Any, kind: str) -> Tensor:
+        """The ``[N, 3, S, S]`` tiles (images) or frames (videos) the tower encodes."""
+        if kind == "image":
+            return stack_tiles(encoder.config, pixels, layout)
+        if pixels.ndim != 5:
+            raise ValueError(
+                f"pixel_values_videos must be [num_videos, num_frames, 3, image_size, image_size], got shape "
+                f"{list(pixels.shape)}"
+            )
+        return pixels.flatten(0, 1)
+
+    def arrange(self, config: Any, projector: nn.Module, features: Tensor, grid: Any, kind: str) -> Tensor:
+        newline = projector.image_newline
+        if kind == "video":  # grid: the number of videos, features [videos * frames, T, D]
+            videos = features.unflatten(0, (grid, -1))
+            return torch.cat([pack_video(config.vision, f, newline) for f in videos])
+        images = features.split(tile_counts(config.vision, grid))
         return torch.cat(
-            [pack_image(config.vision, f, s, projector.image_newline) for f, s in zip(images, sizes)]
+            [
+                pack_image(config.vision, f, size, newline, tiled)
+                for f, size, tiled in zip(images, grid.sizes, grid.tiled)
+            ]
         )
 
-    def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Tensor | None) -> float:
-        """SigLIP's, over the tiles the images have (padding tiles are not encoded)."""
-        tiles = stack_tiles(encoder.config, pixels, image_sizes_list(grid_thw))
-        return super().training_flops(encoder, tiles, None)
+    def training_flops(self, encoder: nn.Module, pixels: Tensor, grid_thw: Any) -> float:
+        """SigLIP's, over the tiles the images have (padding tiles are not encoded) or the videos' frames."""
+        kind = "image" if isinstance(grid_thw, ImageLayout) else "video"
+        return super().training_flops(encoder, self._tiles(encoder, pixels, grid_thw, kind), None)
 
     def describe_count(self, config: Any, kind: str, pixels: Tensor, num_features: int) -> str:
+        if kind == "video":
+            videos, frames = pixels.shape[:2]
+            return (
+                f"pixel_values_videos give {num_features} video features ({videos} video(s) of {frames} frames: "
+                f"{num_video_tokens(config.vision, frames)} each, ceil((image_size // patch_size) / 2) ** 2 per "
+                "frame and one image_newline)"
+            )
         return (
             f"image_sizes give {num_features} image features (per image: the base tile's (image_size // "
-            "patch_size) ** 2, then each row of its unpadded tile features and an image_newline)"
+            "patch_size) ** 2, then each row of its unpadded tile features and an image_newline; in samples of "
+            "several images (batch_num_images) the base tile's and one image_newline)"
         )
+
+
+_PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 
 
 def _spans(length: int, size: int) -> list[int]:
