@@ -13,7 +13,6 @@ and text expansion are called directly, its pixels are those of the image proces
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +27,15 @@ from transformers.models.qwen3_vl.processing_qwen3_vl import Qwen3VLProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as hf_smart_resize
 from transformers.video_utils import VideoMetadata
+from video_case import (
+    FPS,
+    FRAMES,
+    decoded_frames,
+    llava_record,
+    write_clip,
+    write_jsonl,
+    write_media,
+)
 from vlm_pack_case import MODEL_KEYS, datamodule, per_sample_losses, token_losses
 
 from forge_lightning.datamodules.vlm import (
@@ -38,7 +46,6 @@ from forge_lightning.datamodules.vlm import (
 )
 from forge_lightning.datamodules.vlm.video import VideoInfo
 from forge_lightning.modules.vlm import VisionLanguageModel, VLMConfig, from_pretrained
-from forge_lightning.sim.video import write_video
 
 PATCH = 4
 # Images: 8 x 8 pixels per token, 4 .. 16 tokens. Videos: the bounds span all frames; 5 sampled frames of 40 x 56
@@ -51,7 +58,6 @@ OPTIONS = dict(
     video_min_pixels=8 * 8 * 16,
     video_max_pixels=8 * 8 * 8 * 5,
 )
-FRAMES, FPS, HEIGHT, WIDTH = 13, 5, 40, 56
 SAMPLED = [0, 3, 6, 9, 12]  # int(13 / 5 * 2) = 5 frames, linspace(0, 12, 5)
 GRID = [3, 4, 6]  # 5 frames padded to 6 with the last: 3 temporal patches
 TIMES = ["<0.3 seconds>", "<1.5 seconds>", "<2.4 seconds>"]  # means of (0, 3), (6, 9), (12, 12) over 5 fps
@@ -104,36 +110,9 @@ def hf_processor(tokenizer_dir) -> Qwen3VLProcessor:
         )
 
 
-def _video(path: Path, num_frames: int = FRAMES) -> Path:
-    rng = np.random.default_rng(0)
-    ramp = np.linspace(0, 150, WIDTH)[None, :, None] + np.linspace(0, 60, HEIGHT)[:, None, None]
-    frames = [
-        (ramp + rng.integers(0, 100, (HEIGHT, WIDTH, 3))).clip(0, 255).astype(np.uint8)
-        for _ in range(num_frames)
-    ]
-    return write_video(path, frames, fps=FPS, min_size=1)
-
-
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
-    """``a.png`` (60 x 45), ``b.png`` (24 x 24) and ``clip.mp4`` (13 frames of 56 x 40 at 5 fps)."""
-    rng = np.random.default_rng(1)
-    for name, (width, height) in {"a.png": (60, 45), "b.png": (24, 24)}.items():
-        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(tmp_path / name)
-    _video(tmp_path / "clip.mp4")
-    return tmp_path
-
-
-def _write(path: Path, records: list) -> Path:
-    path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    return path
-
-
-def _llava(question: str, answer: str, **media) -> dict:
-    return {
-        **media,
-        "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}],
-    }
+    return write_media(tmp_path)
 
 
 def _records() -> list[dict]:
@@ -152,23 +131,15 @@ def _records() -> list[dict]:
         ]
     }
     return [
-        _llava("<video>\nhow many shapes?", "two", video="clip.mp4"),
+        llava_record("<video>\nhow many shapes?", "two", video="clip.mp4"),
         both,
-        _llava("<image>\nwhat colour is the triangle?", "red", image="a.png"),
-        _llava("hello", "goodbye"),
+        llava_record("<image>\nwhat colour is the triangle?", "red", image="a.png"),
+        llava_record("hello", "goodbye"),
     ]
 
 
 def _dm(tokenizer_dir: Path, train: Path, **options):
     return datamodule(tokenizer_dir, train, **{**OPTIONS, **options})
-
-
-def _decoded_frames(path: Path) -> list[Image.Image]:
-    import av
-
-    with av.open(str(path)) as container:
-        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    return [Image.fromarray(decoded[i]) for i in SAMPLED]
 
 
 # ----- sampling, sizes and timestamps against transformers' functions ---------------------------------------------
@@ -272,7 +243,7 @@ def _reference_ids(hf_processor, question: str, answer: str, images: list, video
 
 
 def test_batch_equals_transformers_processing(tokenizer_dir, hf_processor, data):
-    dm = _dm(tokenizer_dir, _write(data / "train.jsonl", _records()), batch_size=4)
+    dm = _dm(tokenizer_dir, write_jsonl(data / "train.jsonl", _records()), batch_size=4)
     assert dm.vision_settings == {"tokens_per_second": None}
     assert ", 2 videos)" in dm.reports["train"].describe()
     samples = [dm.train_dataset[i] for i in range(4)]
@@ -313,7 +284,7 @@ def test_batch_equals_transformers_processing(tokenizer_dir, hf_processor, data)
     assert torch.equal(batch["image_grid_thw"], image_ref["image_grid_thw"])
     # transformers' video size (16 x 24, asserted below) taken by its image processor frame by frame
     frame_processor = _image_processor(min_pixels=8 * 8 * 4, max_pixels=8 * 8 * 8)
-    rows, grid = hf_video_rows(_decoded_frames(data / "clip.mp4"), frame_processor)
+    rows, grid = hf_video_rows(decoded_frames(data / "clip.mp4", SAMPLED), frame_processor)
     assert grid == GRID
     assert torch.equal(batch["pixel_values_videos"], torch.cat([rows, rows]))
     assert batch["video_grid_thw"].tolist() == [GRID, GRID]
@@ -325,7 +296,7 @@ def _hf_config(dm) -> Qwen3VLConfig:
 
 
 def test_batch_forward_matches_transformers(tokenizer_dir, data, tmp_path_factory):
-    dm = _dm(tokenizer_dir, _write(data / "train.jsonl", _records()))
+    dm = _dm(tokenizer_dir, write_jsonl(data / "train.jsonl", _records()))
     batch = dm.collate_fn([dm.train_dataset[i] for i in range(4)])
     batch = {k: v for k, v in batch.items() if k in MODEL_KEYS}
     ids = dm.special_token_ids
@@ -340,10 +311,10 @@ def test_batch_forward_matches_transformers(tokenizer_dir, data, tmp_path_factor
 def test_packed_rows_with_a_video_give_each_token_its_unpacked_loss(tokenizer_dir, data):
     records = [
         *_records(),
-        _llava("<video>count them", "yes", video="clip.mp4"),
-        _llava("a blue square", "yes"),
+        llava_record("<video>count them", "yes", video="clip.mp4"),
+        llava_record("a blue square", "yes"),
     ]
-    train = _write(data / "train.jsonl", records)
+    train = write_jsonl(data / "train.jsonl", records)
     plain, packed = _dm(tokenizer_dir, train), _dm(tokenizer_dir, train, pack=True)
     rows = packed.train_dataset
     assert len(rows) < len(records)
@@ -366,9 +337,12 @@ def test_packed_rows_with_a_video_give_each_token_its_unpacked_loss(tokenizer_di
 
 # ----- bad videos and generation references -----------------------------------------------------------------------
 def test_a_too_short_video_is_named_and_counted(tokenizer_dir, data):
-    _video(data / "short.mp4", num_frames=1)
-    records = [_llava("<video>hi", "yes", video="clip.mp4"), _llava("<video>hi", "yes", video="short.mp4")]
-    train = _write(data / "train.jsonl", records)
+    write_clip(data / "short.mp4", num_frames=1)
+    records = [
+        llava_record("<video>hi", "yes", video="clip.mp4"),
+        llava_record("<video>hi", "yes", video="short.mp4"),
+    ]
+    train = write_jsonl(data / "train.jsonl", records)
     report = _dm(tokenizer_dir, train).reports["train"]
     assert (report.records, report.kept, report.videos) == (2, 1, 1)
     assert report.skipped["unsupported video"] == [
@@ -388,7 +362,7 @@ def test_generation_references_carry_the_prompt_videos(tokenizer_dir, data):
         {"from": "gpt", "value": "red"},
     ]
     record = {"video": ["clip.mp4", "clip.mp4"], "image": "a.png", "conversations": turns}
-    val = _write(data / "val.jsonl", [record])
+    val = write_jsonl(data / "val.jsonl", [record])
     dm = _dm(tokenizer_dir, val, val_files=str(val), seq_length=256)
     (reference,) = dm.generation_references("val")
     sample = dm.val_dataset[0]

@@ -7,10 +7,8 @@ the prompt's videos."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -18,18 +16,23 @@ from qwen2_5_vl_case import VISION
 from qwen_vl_parity import assert_matches_transformers, hf_checkpoint, hf_video_rows
 from tiny import TINY_QWEN2_5_VL_TEXT, VLM_SPECIAL_TOKENS, write_vlm_tokenizer
 from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+from video_case import (
+    decoded_frames,
+    llava_record,
+    write_clip,
+    write_jsonl,
+    write_media,
+)
 from vlm_pack_case import MODEL_KEYS, OPTIONS, datamodule, model, per_sample_losses, token_losses
 
 from forge_lightning.datamodules.tokenizer import load_tokenizer
 from forge_lightning.datamodules.vlm import BadSampleError, VLMDataModule
 from forge_lightning.modules.vlm import from_pretrained
-from forge_lightning.sim.video import write_video
 
 hf_pil = pytest.importorskip("transformers.models.qwen2_vl.image_processing_pil_qwen2_vl")
 
 # Frames of 40 x 56 (height x width) at 8 x 8 pixels per token, 256 .. 512 pixels: resized to 16 x 24, 4 x 6 patches.
 VIDEO_LIMITS = {"video_min_pixels": 8 * 8 * 4, "video_max_pixels": 8 * 8 * 8}
-FRAMES, FPS, HEIGHT, WIDTH = 13, 5, 40, 56
 # transformers' sample_frames at fps 2: 13 / 5 * 2 = 5.2 -> 4 frames, arange(0, 13, 3.25); sampled_fps 4 / 13 * 5.
 SAMPLED = [0, 3, 6, 9]
 SECONDS_PER_GRID = 2 / (4 / 13 * 5)
@@ -49,42 +52,13 @@ def tokenizer(tokenizer_dir):
     return load_tokenizer(tokenizer_dir).backend
 
 
-def _video(
-    path: Path, num_frames: int = FRAMES, seed: int = 0, height: int = HEIGHT, width: int = WIDTH
-) -> Path:
-    rng = np.random.default_rng(seed)
-    ramp = np.linspace(0, 150, width)[None, :, None] + np.linspace(0, 60, height)[:, None, None]
-    frames = [
-        (ramp + rng.integers(0, 100, (height, width, 3))).clip(0, 255).astype(np.uint8)
-        for _ in range(num_frames)
-    ]
-    return write_video(path, frames, fps=FPS, min_size=1)
-
-
 @pytest.fixture
 def data(tmp_path: Path) -> Path:
-    """``a.png`` (60 x 45), ``b.png`` (24 x 24) and ``clip.mp4`` (13 frames of 56 x 40 at 5 fps)."""
-    rng = np.random.default_rng(1)
-    for name, (width, height) in {"a.png": (60, 45), "b.png": (24, 24)}.items():
-        Image.fromarray(rng.integers(0, 255, (height, width, 3), dtype=np.uint8)).save(tmp_path / name)
-    _video(tmp_path / "clip.mp4")
-    return tmp_path
-
-
-def _write(path: Path, records: list) -> Path:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return path
+    return write_media(tmp_path)
 
 
 def _dm(tokenizer_dir: Path, train: Path, **options) -> VLMDataModule:
     return datamodule(tokenizer_dir, train, **{**VIDEO_LIMITS, **options})
-
-
-def _llava(question: str, answer: str, **media) -> dict:
-    return {
-        **media,
-        "conversations": [{"from": "human", "value": question}, {"from": "gpt", "value": answer}],
-    }
 
 
 def _mixed_records() -> list[dict]:
@@ -102,19 +76,11 @@ def _mixed_records() -> list[dict]:
         ]
     }
     return [
-        _llava("<image>\nwhat colour is the triangle?", "red", image="a.png"),
-        _llava("<video>\nhow many shapes?", "two", video="clip.mp4"),
-        _llava("hello", "goodbye"),
+        llava_record("<image>\nwhat colour is the triangle?", "red", image="a.png"),
+        llava_record("<video>\nhow many shapes?", "two", video="clip.mp4"),
+        llava_record("hello", "goodbye"),
         both,
     ]
-
-
-def _decoded_frames(path: Path) -> list[Image.Image]:
-    import av
-
-    with av.open(str(path)) as container:
-        decoded = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
-    return [Image.fromarray(decoded[i]) for i in SAMPLED]
 
 
 def _hf_image_processor(**limits: int):
@@ -151,13 +117,13 @@ def test_video_formats_encode_to_the_same_sample(tokenizer_dir, data):
         ]
     }
     records = [
-        _llava("<video>\nhow many shapes?", "two", video="clip.mp4"),
+        llava_record("<video>\nhow many shapes?", "two", video="clip.mp4"),
         {"videos": ["clip.mp4"], "messages": messages},
         openai,
         refless,
         url,
     ]
-    dm = _dm(tokenizer_dir, _write(data / "train.jsonl", records))
+    dm = _dm(tokenizer_dir, write_jsonl(data / "train.jsonl", records))
     samples = [dm.train_dataset[i] for i in range(len(records))]
     assert dm.reports["train"].kept == 5 and dm.reports["train"].videos == 5
     assert set(samples[0]) == {
@@ -173,7 +139,7 @@ def test_video_formats_encode_to_the_same_sample(tokenizer_dir, data):
 
 
 def test_mixed_batch_equals_transformers_processing(tokenizer_dir, tokenizer, data):
-    dm = _dm(tokenizer_dir, _write(data / "train.jsonl", _mixed_records()), batch_size=4)
+    dm = _dm(tokenizer_dir, write_jsonl(data / "train.jsonl", _mixed_records()), batch_size=4)
     assert dm.special_token_ids["video_token_id"] == tokenizer.convert_tokens_to_ids("<|video_pad|>")
     assert ", 2 videos)" in dm.reports["train"].describe()
     samples = [dm.train_dataset[i] for i in range(4)]
@@ -188,7 +154,7 @@ def test_mixed_batch_equals_transformers_processing(tokenizer_dir, tokenizer, da
     frames = _hf_image_processor(
         min_pixels=VIDEO_LIMITS["video_min_pixels"], max_pixels=VIDEO_LIMITS["video_max_pixels"]
     )
-    rows, grid = hf_video_rows(_decoded_frames(data / "clip.mp4"), frames)
+    rows, grid = hf_video_rows(decoded_frames(data / "clip.mp4", SAMPLED), frames)
     assert grid == [2, 4, 6]
     assert torch.equal(batch["pixel_values_videos"], torch.cat([rows, rows]))
     assert batch["video_grid_thw"].tolist() == [grid, grid]
@@ -225,7 +191,7 @@ def test_mixed_batch_equals_transformers_processing(tokenizer_dir, tokenizer, da
 
 
 def test_mixed_batch_forward_matches_transformers(tokenizer_dir, data, tmp_path_factory):
-    dm = _dm(tokenizer_dir, _write(data / "train.jsonl", _mixed_records()))
+    dm = _dm(tokenizer_dir, write_jsonl(data / "train.jsonl", _mixed_records()))
     batch = dm.collate_fn([dm.train_dataset[i] for i in range(4)])
     batch = {k: v for k, v in batch.items() if k in MODEL_KEYS}
     ids = dm.special_token_ids
@@ -240,10 +206,10 @@ def test_mixed_batch_forward_matches_transformers(tokenizer_dir, data, tmp_path_
 def test_packed_rows_with_a_video_give_each_token_its_unpacked_loss(tokenizer_dir, data):
     records = [
         *_mixed_records(),
-        _llava("<video>count them", "yes", video="clip.mp4"),
-        _llava("a blue square", "yes"),
+        llava_record("<video>count them", "yes", video="clip.mp4"),
+        llava_record("a blue square", "yes"),
     ]
-    train = _write(data / "train.jsonl", records)
+    train = write_jsonl(data / "train.jsonl", records)
     plain, packed = _dm(tokenizer_dir, train), _dm(tokenizer_dir, train, pack=True)
     rows = packed.train_dataset
     assert len(rows) < len(records)
@@ -273,26 +239,27 @@ def test_packed_rows_with_a_video_give_each_token_its_unpacked_loss(tokenizer_di
 # ----- bad videos -------------------------------------------------------------------------------------------------
 def _bad_records(data: Path) -> dict[str, object]:
     (data / "broken.mp4").write_bytes(b"not a video" * 20)
-    _video(data / "short.mp4", num_frames=1)
+    write_clip(data / "short.mp4", num_frames=1)
     long_answer = " ".join(["the red triangle"] * 60)
     return {
-        "missing video": _llava("<video>hi", "yes", video="nope.mp4"),
-        "corrupt video": _llava("<video>hi", "yes", video="broken.mp4"),
-        "video count mismatch": _llava("<video><video>hi", "yes", video="clip.mp4"),
-        "unsupported video": _llava("<video>hi", "yes", video="short.mp4"),
-        "too long": _llava("<video>hi", long_answer, video="clip.mp4"),
+        "missing video": llava_record("<video>hi", "yes", video="nope.mp4"),
+        "corrupt video": llava_record("<video>hi", "yes", video="broken.mp4"),
+        "video count mismatch": llava_record("<video><video>hi", "yes", video="clip.mp4"),
+        "unsupported video": llava_record("<video>hi", "yes", video="short.mp4"),
+        "too long": llava_record("<video>hi", long_answer, video="clip.mp4"),
     }
 
 
 def test_bad_videos_are_named_skipped_and_counted(tokenizer_dir, data):
     bad = _bad_records(data)
     extra = {
-        "token in text": _llava("<|video_pad|> hi", "yes"),
-        "no placeholder": _llava("hi", "yes", video="clip.mp4"),
-        "remote": _llava("<video>hi", "yes", video="https://example.com/a.mp4"),
+        "token in text": llava_record("<|video_pad|> hi", "yes"),
+        "no placeholder": llava_record("hi", "yes", video="clip.mp4"),
+        "remote": llava_record("<video>hi", "yes", video="https://example.com/a.mp4"),
     }
-    train = _write(
-        data / "train.jsonl", [_llava("<video>hi", "yes", video="clip.mp4"), *bad.values(), *extra.values()]
+    train = write_jsonl(
+        data / "train.jsonl",
+        [llava_record("<video>hi", "yes", video="clip.mp4"), *bad.values(), *extra.values()],
     )
     report = _dm(tokenizer_dir, train).reports["train"]
     assert (report.records, report.kept, report.videos) == (9, 1, 1)
@@ -321,8 +288,8 @@ def test_bad_videos_are_named_skipped_and_counted(tokenizer_dir, data):
     "reason", ["missing video", "corrupt video", "video count mismatch", "unsupported video", "too long"]
 )
 def test_bad_videos_raise_under_error(tokenizer_dir, data, reason):
-    train = _write(
-        data / "train.jsonl", [_llava("<video>hi", "yes", video="clip.mp4"), _bad_records(data)[reason]]
+    train = write_jsonl(
+        data / "train.jsonl", [llava_record("<video>hi", "yes", video="clip.mp4"), _bad_records(data)[reason]]
     )
     with pytest.raises(BadSampleError, match=f"^{train}:2: ") as raised:
         _dm(tokenizer_dir, train, on_bad_sample="error")
@@ -331,10 +298,10 @@ def test_bad_videos_raise_under_error(tokenizer_dir, data, reason):
 
 def test_videos_need_the_video_token_and_the_qwen_processor(data, tmp_path_factory):
     records = [
-        _llava("<image>what colour is it", "red", image="a.png"),
-        _llava("<video>hi", "yes", video="clip.mp4"),
+        llava_record("<image>what colour is it", "red", image="a.png"),
+        llava_record("<video>hi", "yes", video="clip.mp4"),
     ]
-    train = _write(data / "train.jsonl", records)
+    train = write_jsonl(data / "train.jsonl", records)
     plain = write_vlm_tokenizer(tmp_path_factory.mktemp("no_video"))  # images only
     dm = _dm(plain, train)
     assert "video_token_id" not in dm.special_token_ids and dm.reports["train"].kept == 1
@@ -355,7 +322,7 @@ def test_videos_need_the_video_token_and_the_qwen_processor(data, tmp_path_facto
 
 
 def test_video_options_are_validated(tokenizer_dir, data):
-    train = _write(data / "train.jsonl", [_llava("<video>hi", "yes", video="clip.mp4")])
+    train = write_jsonl(data / "train.jsonl", [llava_record("<video>hi", "yes", video="clip.mp4")])
     with pytest.raises(ValueError, match=r"video_fps do\(es\) not apply to processor 'fixed'"):
         VLMDataModule(str(train), str(tokenizer_dir), processor="fixed", video_fps=1.0)
     cases = [
@@ -384,9 +351,9 @@ def test_video_options_are_validated(tokenizer_dir, data):
 
 
 def test_a_video_changed_after_setup_is_named_and_verify_pixels_decodes(tokenizer_dir, data):
-    train = _write(data / "train.jsonl", [_llava("<video>hi", "yes", video="clip.mp4")])
+    train = write_jsonl(data / "train.jsonl", [llava_record("<video>hi", "yes", video="clip.mp4")])
     dm = _dm(tokenizer_dir, train, verify_pixels=True)
-    _video(data / "clip.mp4", height=48)
+    write_clip(data / "clip.mp4", height=48)
     with pytest.raises(
         ValueError,
         match=rf"^{train}:1: clip.mp4 gives frames \[4, 48, 56, 3\] but \[4, 40, 56, 3\] at setup: the file changed since",
@@ -402,7 +369,7 @@ def test_generation_references_carry_the_prompt_videos(tokenizer_dir, tokenizer,
         {"from": "human", "value": "<image>what colour is it"},
         {"from": "gpt", "value": "red"},
     ]
-    val = _write(data / "val.jsonl", [{"video": "clip.mp4", "image": "a.png", "conversations": turns}])
+    val = write_jsonl(data / "val.jsonl", [{"video": "clip.mp4", "image": "a.png", "conversations": turns}])
     dm = _dm(tokenizer_dir, val, val_files=str(val))
     (reference,) = dm.generation_references("val")
     sample = dm.val_dataset[0]
@@ -413,7 +380,7 @@ def test_generation_references_carry_the_prompt_videos(tokenizer_dir, tokenizer,
     for key, value in reference.inputs.items():
         assert torch.equal(value, sample[key]), key
 
-    first = _write(data / "first.jsonl", [{"video": "clip.mp4", "conversations": turns[:2]}])
+    first = write_jsonl(data / "first.jsonl", [{"video": "clip.mp4", "conversations": turns[:2]}])
     (only_text,) = _dm(tokenizer_dir, first, val_files=str(first)).generation_references("val")
     assert set(only_text.inputs) == {"pixel_values_videos", "video_grid_thw", "second_per_grid_ts"}
     assert tokenizer.decode(only_text.prompt_ids).endswith(

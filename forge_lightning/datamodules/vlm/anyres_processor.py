@@ -36,12 +36,12 @@ from forge_lightning.datamodules.vlm.image_processor import OPENAI_CLIP_MEAN, OP
 from forge_lightning.datamodules.vlm.video import VideoInfo
 from forge_lightning.modules.vlm.anyres import (
     best_resolution,
+    check_aspect_ratio,
+    grid_pinpoints,
     num_image_tokens,
     num_tiles,
     num_video_tokens,
 )
-
-_ASPECT_PREFIX = "anyres_max_"
 
 
 @dataclass(kw_only=True)
@@ -74,25 +74,8 @@ class LlavaOnevisionImageProcessor:
         S = self.image_size
         if not 0 < self.patch_size <= S:  # need not divide it: SigLIP's 384 / 14 gives 27 patches a side
             raise ValueError(f"patch_size ({self.patch_size}) must be positive and at most image_size ({S})")
-        if self.image_grid_pinpoints is None:
-            self.image_grid_pinpoints = [[r * S, c * S] for r in range(1, 7) for c in range(1, 7)]
-        self.image_grid_pinpoints = [list(p) for p in self.image_grid_pinpoints]
-        bad = [
-            p
-            for p in self.image_grid_pinpoints
-            if len(p) != 2 or not all(isinstance(x, int) and x > 0 and x % S == 0 for x in p)
-        ]
-        if not self.image_grid_pinpoints or bad:
-            raise ValueError(
-                f"image_grid_pinpoints must be [height, width] pairs of positive multiples of image_size ({S}); "
-                f"these are not: {bad or '[] (empty)'}"
-            )
-        suffix = self.vision_aspect_ratio.removeprefix(_ASPECT_PREFIX)
-        if not self.vision_aspect_ratio.startswith(_ASPECT_PREFIX) or not suffix.isdigit() or int(suffix) < 1:
-            raise ValueError(
-                f"vision_aspect_ratio ({self.vision_aspect_ratio!r}) must be 'anyres_max_N' with N >= 1 "
-                "(e.g. 'anyres_max_9')"
-            )
+        self.image_grid_pinpoints = grid_pinpoints(self.image_grid_pinpoints, S)
+        check_aspect_ratio(self.vision_aspect_ratio)
         self.image_mean, self.image_std = tuple(self.image_mean), tuple(self.image_std)
         if len(self.image_mean) != 3 or len(self.image_std) != 3 or not all(s > 0 for s in self.image_std):
             raise ValueError(
@@ -116,7 +99,7 @@ class LlavaOnevisionImageProcessor:
     @property
     def max_tiles(self) -> int:
         """``N`` of :attr:`vision_aspect_ratio`."""
-        return int(self.vision_aspect_ratio.removeprefix(_ASPECT_PREFIX))
+        return check_aspect_ratio(self.vision_aspect_ratio)
 
     def num_image_tokens(self, height: int, width: int, tiled: bool = True) -> int:
         """``<image>`` tokens of an image of ``height x width`` (tiled: the sample's only image)."""

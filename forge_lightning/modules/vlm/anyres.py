@@ -39,6 +39,44 @@ _ASPECT_RATIO = re.compile(r"anyres_max_(\d+)")
 _DEFAULT_GRID = range(1, 7)  # transformers' default pinpoints: 1 to 6 tiles a side
 
 
+def grid_pinpoints(
+    pinpoints: Sequence[Sequence[int]] | None, image_size: int, *, prefix: str = ""
+) -> list[list[int]]:
+    """The ``[height, width]`` resolutions an image may be tiled at: ``pinpoints`` checked, or transformers'
+    default (1 to 6 tiles a side) for ``None``.
+
+    Raises:
+        ValueError: an empty list, or a pair that is not two positive multiples of ``image_size`` (named, with the
+            option's ``prefix``).
+    """
+    S = image_size
+    if pinpoints is None:
+        return [[r * S, c * S] for r in _DEFAULT_GRID for c in _DEFAULT_GRID]
+    pairs = [list(p) for p in pinpoints]
+    bad = [p for p in pairs if len(p) != 2 or not all(isinstance(x, int) and x > 0 and x % S == 0 for x in p)]
+    if not pairs or bad:
+        raise ValueError(
+            f"{prefix}image_grid_pinpoints must be [height, width] pairs of positive multiples of "
+            f"{prefix}image_size ({S}); these are not: {bad or '[] (empty)'}"
+        )
+    return pairs
+
+
+def check_aspect_ratio(vision_aspect_ratio: str, *, prefix: str = "") -> int:
+    """``N`` of ``anyres_max_N``: the most tiles' worth of features an image keeps.
+
+    Raises:
+        ValueError: another form, or ``N`` < 1.
+    """
+    match = _ASPECT_RATIO.fullmatch(vision_aspect_ratio)
+    if not match or int(match.group(1)) < 1:
+        raise ValueError(
+            f"{prefix}vision_aspect_ratio ({vision_aspect_ratio!r}) must be 'anyres_max_N' with N >= 1 "
+            "(e.g. 'anyres_max_9')"
+        )
+    return int(match.group(1))
+
+
 @dataclass(kw_only=True)
 class AnyResVisionConfig(SiglipVisionConfig):
     """The SigLIP tower of LLaVA-OneVision with its tiling (``vision.type: siglip_anyres``).
@@ -61,31 +99,15 @@ class AnyResVisionConfig(SiglipVisionConfig):
                 f"vision.feature_select_strategy ({self.feature_select_strategy!r}) must be 'full' for "
                 "siglip_anyres: every tile keeps its whole grid of features"
             )
-        S = self.image_size
-        if self.image_grid_pinpoints is None:
-            self.image_grid_pinpoints = [[r * S, c * S] for r in _DEFAULT_GRID for c in _DEFAULT_GRID]
-        self.image_grid_pinpoints = [list(p) for p in self.image_grid_pinpoints]
-        bad = [
-            p
-            for p in self.image_grid_pinpoints
-            if len(p) != 2 or not all(isinstance(x, int) and x > 0 and x % S == 0 for x in p)
-        ]
-        if not self.image_grid_pinpoints or bad:
-            raise ValueError(
-                f"vision.image_grid_pinpoints must be [height, width] pairs of positive multiples of "
-                f"vision.image_size ({S}); these are not: {bad or '[] (empty)'}"
-            )
-        if not _ASPECT_RATIO.fullmatch(self.vision_aspect_ratio) or self.max_tiles == 0:
-            raise ValueError(
-                f"vision.vision_aspect_ratio ({self.vision_aspect_ratio!r}) must be 'anyres_max_N' with N >= 1 "
-                "(e.g. 'anyres_max_9')"
-            )
+        self.image_grid_pinpoints = grid_pinpoints(
+            self.image_grid_pinpoints, self.image_size, prefix="vision."
+        )
+        check_aspect_ratio(self.vision_aspect_ratio, prefix="vision.")
 
     @property
     def max_tiles(self) -> int:
         """``N`` of :attr:`vision_aspect_ratio`."""
-        match = _ASPECT_RATIO.fullmatch(self.vision_aspect_ratio)
-        return int(match.group(1)) if match else 0
+        return check_aspect_ratio(self.vision_aspect_ratio)
 
     @property
     def grid_side(self) -> int:
