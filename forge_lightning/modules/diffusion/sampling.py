@@ -69,7 +69,7 @@ def sample_euler(
         noise_BCFHW: the starting latents (pure noise).
         text_BLD: the prompt embeddings.
         num_inference_steps: number of Euler steps.
-        shift: Wan's schedule shift (5.0 for Wan 2.1 T2V at 720p, 3.0 at 480p; see the model card).
+        shift: Wan's schedule shift (the model card gives it per model and resolution).
         guidance_scale: CFG scale ``g``; guidance runs when it is not 1.
         negative_text_BLD: the negative / empty prompt's embeddings; required when ``guidance_scale != 1``.
         num_train_timesteps: the DiT's timestep is ``sigma * num_train_timesteps``.
