@@ -225,3 +225,43 @@ def test_activation_checkpointing_through_the_parallel_plan() -> None:
     reference = dict(plain.named_parameters())
     for name, p in ours.named_parameters():
         torch.testing.assert_close(p.grad, reference[name].grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_meta_build_then_init_weights() -> None:
+    config = WanDiTConfig.from_diffusers(LAYOUTS["i2v"])
+    with torch.device("meta"):
+        model = WanDiT(config)
+    model.to_empty(device="cpu")
+    model.init_weights()
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert torch.equal(model.proj_out.weight, torch.zeros_like(model.proj_out.weight))  # predicts 0 untrained
+    linear = model.blocks[0].attn1.to_q
+    bound = (6 / (linear.in_features + linear.out_features)) ** 0.5
+    assert linear.weight.abs().max() <= bound and linear.weight.std() > bound / 4
+    assert torch.all(model.blocks[0].norm2.weight == 1) and torch.all(
+        model.blocks[0].attn1.norm_q.weight == 1
+    )
+    inputs = _inputs("i2v")
+    with torch.no_grad():
+        assert torch.equal(model(**inputs), torch.zeros(BATCH, 4, *LATENT))
+
+
+@pytest.mark.slow
+def test_compiled_checkpointed_blocks_through_the_parallel_plan() -> None:
+    from forge_lightning.performance.transforms import apply_compile
+
+    _, ours = _pair("ti2v")
+    plain = WanDiT(ours.config)
+    plain.load_state_dict(ours.state_dict())
+    plan = ParallelPlan(components=[Component(name="dit", module=ours, blocks=ours.repeated_blocks())])
+    apply_activation_checkpointing(plan, "full")
+    apply_compile(plan, enabled=True)
+    inputs = _inputs("ti2v")
+    out = ours(**inputs)
+    out.square().mean().backward()
+    expected = plain(**inputs)
+    expected.square().mean().backward()
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-5)
+    reference = dict(plain.named_parameters())
+    for name, p in ours.named_parameters():
+        torch.testing.assert_close(p.grad, reference[name].grad, rtol=0, atol=1e-6, msg=name)

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from forge_lightning.modules.diffusion.wan_config import WanDiTConfig
 from forge_lightning.modules.layers.attention import DocumentMask, attention
+from forge_lightning.modules.layers.init import reset_owned_parameters
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import apply_rotary
 
@@ -212,7 +213,15 @@ class WanBlock(nn.Module):
         )
         self.ffn = FeedForward(dim, config.ffn_dim, dim, approximate="tanh")
         self.norm3 = FP32LayerNorm(dim, eps, elementwise_affine=False)
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 6, dim) / dim**0.5)
+        self.scale_shift_table = nn.Parameter(torch.empty(1, 6, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Wan's initialisation: Xavier-uniform linear weights, zero biases, modulation table ``N(0, 1/dim)``."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                _xavier(module)
+        nn.init.normal_(self.scale_shift_table, std=self.scale_shift_table.shape[-1] ** -0.5)
 
     def forward(
         self,
@@ -324,7 +333,31 @@ class WanDiT(nn.Module):
         self.blocks = nn.ModuleList([WanBlock(config) for _ in range(config.num_layers)])
         self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(patch))
-        self.scale_shift_table = nn.Parameter(torch.randn(1, 2, dim) / dim**0.5)
+        self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Wan's initialisation of the layers outside the blocks (each block initialises its own): Xavier-uniform
+        patch embedding, time projection and image embedder, ``N(0, 0.02)`` text and time embedders, a zero output projection (the
+        untrained model predicts 0), output modulation table ``N(0, 1/dim)``; zero biases."""
+        _xavier(self.patch_embedding)
+        for module in self.condition_embedder.modules():
+            if isinstance(module, nn.Linear):
+                _xavier(module)
+        for embedder in (self.condition_embedder.text_embedder, self.condition_embedder.time_embedder):
+            for linear in (embedder.linear_1, embedder.linear_2):
+                nn.init.normal_(linear.weight, std=0.02)
+        nn.init.zeros_(self.proj_out.weight)
+        nn.init.zeros_(self.proj_out.bias)
+        nn.init.normal_(self.scale_shift_table, std=self.scale_shift_table.shape[-1] ** -0.5)
+        image = self.condition_embedder.image_embedder
+        if image is not None and image.pos_embed is not None:
+            nn.init.zeros_(image.pos_embed)
+
+    def init_weights(self) -> None:
+        """Initialise every parameter (after ``to_empty`` of a model built on the meta device): each module's own
+        ``reset_parameters``, the torch layers by the block that owns them."""
+        reset_owned_parameters(self.modules())
 
     @classmethod
     def from_pretrained(
@@ -473,6 +506,13 @@ class WanDiT(nn.Module):
         x = out_BSP.reshape(out_BSP.shape[0], f, h, w, pt, ph, pw, -1)
         x = x.permute(0, 7, 1, 4, 2, 5, 3, 6)  # [B, C, f, pt, h, ph, w, pw]
         return x.reshape(x.shape[0], x.shape[1], f * pt, h * ph, w * pw)
+
+
+def _xavier(layer: nn.Linear | nn.Conv3d) -> None:
+    """Xavier-uniform weight (a convolution's over its flattened ``[out, in * kernel]`` view), zero bias."""
+    nn.init.xavier_uniform_(layer.weight.view(layer.weight.shape[0], -1))
+    if layer.bias is not None:
+        nn.init.zeros_(layer.bias)
 
 
 def _segment_ids(lengths: Sequence[int], device: torch.device) -> Tensor:
