@@ -338,8 +338,8 @@ class WanDiT(nn.Module):
 
     def reset_parameters(self) -> None:
         """Wan's initialisation of the layers outside the blocks (each block initialises its own): Xavier-uniform
-        patch embedding, time projection and image embedder, ``N(0, 0.02)`` text and time embedders, a zero output projection (the
-        untrained model predicts 0), output modulation table ``N(0, 1/dim)``; zero biases."""
+        patch embedding, time projection and image embedder, ``N(0, 0.02)`` text and time embedders, a zero output
+        projection (the untrained model predicts 0), output modulation table ``N(0, 1/dim)``; zero biases."""
         _xavier(self.patch_embedding)
         for module in self.condition_embedder.modules():
             if isinstance(module, nn.Linear):
