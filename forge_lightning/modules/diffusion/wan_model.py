@@ -3,12 +3,12 @@
 Submodule and parameter names are diffusers', so its state dict loads as it is. Data flow (B videos, S = f*h*w
 patch tokens, L text tokens, D width)::
 
-    video [B,C,F,H,W] ─ patch_embedding (Conv3d) ─ tokens [B,S,D] ─┐
-    timestep [B] or [B,S] ─ sinusoid ─ time_embedder ─ temb ─┬─ time_proj ─ modulation [B,1|S,6,D] ─┤
-    text [B,L,text_dim] ─ text_embedder ─ [B,L,D] ─────────────│──────────────────────────────────┤
-    image [B,N,image_dim] ─ image_embedder ─ [B,N,D] (I2V) ────│──────────────────────────────────┤
-                                                               │      blocks × num_layers ◄─────────┘
-                                                               └─ norm_out, shift/scale ─ proj_out ─ unpatchify
+    video [B,C,F,H,W] ─ patch_embedding (Conv3d) ─ tokens [B,S,D] ──────────────────────┐
+    timestep [B] or [B,S] ─ sinusoid ─ time_embedder ─ temb ─┬─ time_proj ─ [B,1|S,6,D] ─┤
+    text [B,L,text_dim] ─ text_embedder ─ [B,L,D] ───────────│───────────────────────────┤
+    image [B,N,image_dim] ─ image_embedder ─ [B,N,D] (I2V) ──│───────────────────────────┤
+                                                             │        blocks × num_layers
+                                                             └─ norm_out, shift/scale ─ proj_out ─ unpatchify
 
 Each block: adaLN-modulated self-attention (q / k RMSNorm across heads, 3-D RoPE), cross-attention to the text
 (plus, for I2V, to the image tokens through the added k / v projections), adaLN-modulated GELU feed-forward.
