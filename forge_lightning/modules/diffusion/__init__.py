@@ -1,4 +1,5 @@
-"""Video diffusion (Wan-style): flow-matching training targets, the Euler sampler and the frozen Wan encoders.
+"""Video diffusion (Wan-style): the Wan DiT (Wan 2.1 / 2.2 T2V, I2V, TI2V) with its diffusers interchange, the
+flow-matching training targets, the Euler sampler and the frozen Wan encoders.
 
 Public names are imported lazily, so importing one submodule (e.g. ``flow_matching``) does not import the others
 (the encoders need diffusers).
@@ -10,6 +11,14 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
+    "PRESETS": "wan_config",
+    "WanDiTConfig": "wan_config",
+    "preset": "wan_config",
+    "load_pretrained": "wan_hf",
+    "save_pretrained": "wan_hf",
+    "CrossContext": "wan_model",
+    "WanBlock": "wan_model",
+    "WanDiT": "wan_model",
     "FlowMatching": "flow_matching",
     "FlowMatchingConfig": "flow_matching",
     "FlowMatchingSample": "flow_matching",
@@ -21,14 +30,22 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "CrossContext",
     "Denoiser",
     "FlowMatching",
     "FlowMatchingConfig",
     "FlowMatchingSample",
+    "PRESETS",
+    "WanBlock",
+    "WanDiT",
+    "WanDiTConfig",
     "WanTextEncoder",
     "WanVAE",
     "flow_match_sigmas",
+    "load_pretrained",
+    "preset",
     "sample_euler",
+    "save_pretrained",
 ]
 
 if TYPE_CHECKING:
@@ -39,6 +56,9 @@ if TYPE_CHECKING:
         FlowMatchingSample,
     )
     from forge_lightning.modules.diffusion.sampling import Denoiser, flow_match_sigmas, sample_euler
+    from forge_lightning.modules.diffusion.wan_config import PRESETS, WanDiTConfig, preset
+    from forge_lightning.modules.diffusion.wan_hf import load_pretrained, save_pretrained
+    from forge_lightning.modules.diffusion.wan_model import CrossContext, WanBlock, WanDiT
 
 
 def __getattr__(name: str) -> Any:
