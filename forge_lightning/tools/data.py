@@ -627,12 +627,10 @@ def vlm_quickstart(args: argparse.Namespace) -> None:
 def precompute_features(args: argparse.Namespace) -> None:
     """Run the config's frozen modules over its video-caption data into a feature cache (resumes a cut-off run)."""
     from forge_lightning.datamodules.diffusion.precompute import run_precompute
-    from forge_lightning.datamodules.feature_cache import CacheError
-    from forge_lightning.datamodules.vlm.scan import BadSampleError
 
     try:
         run_precompute(args.config, args.output, device=args.device, log=console.print)
-    except (CacheError, BadSampleError) as error:
+    except ValueError as error:  # a config, data or cache problem, named (CacheError, BadSampleError)
         raise DataError(str(error)) from None
 
 

@@ -48,6 +48,8 @@ class VideoCaptionConfig:
         video_root: where relative video paths start (default: each ``.jsonl``'s directory).
         on_bad_sample: ``skip`` or ``error``.
         verify_frames: decode every sample's frames at the scan.
+        temporal_stride: bucket frame counts are ``temporal_stride * k + 1`` (Wan's VAE: 4).
+        spatial_stride: bucket sides are multiples of it (Wan: 8 (VAE) x 2 (patch) = 16).
     """
 
     entries: list[str]
@@ -56,6 +58,8 @@ class VideoCaptionConfig:
     video_root: str | None = None
     on_bad_sample: str = "skip"
     verify_frames: bool = False
+    temporal_stride: int = 4
+    spatial_stride: int = 16
 
     def __post_init__(self) -> None:
         if isinstance(self.entries, str):
@@ -67,7 +71,9 @@ class VideoCaptionConfig:
         """The scanned dataset and what the scan found."""
         samples, report = scan_video_captions(
             self.entries,
-            parse_buckets(self.buckets),
+            parse_buckets(
+                self.buckets, temporal_stride=self.temporal_stride, spatial_stride=self.spatial_stride
+            ),
             fps=self.fps,
             video_root=self.video_root,
             on_bad_sample=self.on_bad_sample,
