@@ -25,6 +25,7 @@ from forge_lightning.datamodules import feature_cache
 from forge_lightning.datamodules.diffusion import (
     GroupedStepLoader,
     VideoCaptionConfig,
+    VideoDiffusionDataModule,
     video_caption_collate,
 )
 from forge_lightning.datamodules.feature_cache import (
@@ -287,3 +288,28 @@ def test_forge_data_precompute_writes_the_same_cache(setup, tmp_path, capsys):
     config.write_text(yaml.safe_dump({"data": setup["data"]}))
     with pytest.raises(SystemExit, match="forge-data precompute: error: .*needs data and modules sections"):
         forge_data(["precompute", "--config", str(config), "--output", str(output)])
+
+
+def test_the_datamodule_trains_from_the_cache(setup, tmp_path):
+    config = tmp_path / "precompute.yaml"
+    config.write_text(
+        yaml.safe_dump({"data": setup["data"], "modules": module_configs(setup["root"]), **SETTINGS})
+    )
+    options = dict(batch_size=2, num_workers=0, pin_memory=False)
+    datamodule = VideoDiffusionDataModule(cache=str(setup["cache"]), cache_config=str(config), **options)
+    datamodule.setup("fit")
+    expected = GroupedStepLoader(
+        FeatureCacheDataset(setup["cache"]), collate_fn=cache_collate, seed=1234, label_key=None, batch_size=2
+    )
+    for got, want in zip(datamodule.train_dataloader(), expected, strict=True):
+        assert got["caption"] == want["caption"] and torch.equal(got["latents"], want["latents"])
+    # with the data given too, the cache must be of it
+    checked = VideoDiffusionDataModule(
+        VideoCaptionConfig(**setup["data"]), cache=str(setup["cache"]), cache_config=str(config), **options
+    )
+    checked.setup("fit")
+    config.write_text(
+        yaml.safe_dump({"data": setup["data"], "modules": module_configs(setup["root"], max_length=6)})
+    )
+    with pytest.raises(CacheError, match="differing: tokenizer"):
+        VideoDiffusionDataModule(cache=str(setup["cache"]), cache_config=str(config), **options).setup("fit")

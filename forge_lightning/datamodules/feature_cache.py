@@ -26,7 +26,7 @@ import hashlib
 import importlib
 import json
 import os
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
 
 from forge_lightning.atomic_io import write_file
 from forge_lightning.manifest import hash_file, hash_files
@@ -212,6 +212,7 @@ def precompute(
     samples_per_shard: int = 256,
     keep: Sequence[str] = (),
     device: str | torch.device = "cpu",
+    num_workers: int = 0,
     log: Callable[[str], None] = print,
 ) -> PrecomputeSummary:
     """Run the frozen ``modules`` once over ``dataset`` and write their outputs to the cache at ``output``.
@@ -226,6 +227,7 @@ def precompute(
         samples_per_shard: samples of a shard (whole batches; at least this many but the last).
         keep: sample fields stored too (JSON-able values, e.g. ``caption``).
         device: where the modules run.
+        num_workers: DataLoader workers that read (decode) the samples.
         log: where progress lines go.
     """
     output = Path(output)
@@ -244,18 +246,12 @@ def precompute(
         path = output / f"shard-{number:05d}.safetensors"
         indices = [i for b in batches for i in b]
         meta = _reusable(path, fingerprint, indices)
-        reused = meta is not None
         if meta is None:
             built = built or [m.build(device) for m in modules]
-            tensors, kept_values = {}, {name: [] for name in keep}
-            for batch_indices in batches:
-                samples = [dataset[i] for i in batch_indices]
-                for name in keep:
-                    kept_values[name] += [s[name] for s in samples]
-                stored = _run(modules, built, collate_fn(samples), device)
-                for name, value in stored.items():
-                    for row, index in enumerate(batch_indices):
-                        tensors[f"{name}/{index}"] = value[row].contiguous().clone()
+            loader = DataLoader(
+                dataset, batch_sampler=batches, collate_fn=collate_fn, num_workers=num_workers
+            )
+            tensors, kept_values = _compute_shard(loader, batches, modules, built, keep, device)
             meta = {"fingerprint": fingerprint, "samples": indices, "kept": kept_values}
             data = save(tensors, metadata={_META_KEY: json.dumps(meta, sort_keys=True)})
             write_file(path, lambda stream, data=data: stream.write(data))
@@ -263,11 +259,33 @@ def precompute(
         else:
             kept += 1
         records.append({"file": path.name, "meta": meta})
-        log(f"feature cache {output}: shard {number + 1} of {len(shards)} {'kept' if reused else 'written'}")
+        log(f"feature cache {output}: shard {number + 1} of {len(shards)} ({written} written, {kept} kept)")
     for stale in sorted(output.glob("shard-*.safetensors"))[len(shards) :]:
         stale.unlink()
     _write_manifest(output, dataset, modules, fingerprints, fingerprint, records)
     return PrecomputeSummary(written, kept, len(dataset))
+
+
+def _compute_shard(
+    loader: Iterable[dict[str, Any]],
+    batches: list[list[int]],
+    modules: Sequence[FrozenModule],
+    built: Sequence[Callable[..., Any]],
+    keep: Sequence[str],
+    device: Any,
+) -> tuple[dict[str, torch.Tensor], dict[str, list[Any]]]:
+    """The stored outputs of a shard's batches, one tensor per field and sample (``field/index``), and its kept
+    fields."""
+    tensors: dict[str, torch.Tensor] = {}
+    kept: dict[str, list[Any]] = {name: [] for name in keep}
+    for batch_indices, batch in zip(batches, loader):
+        for name in keep:
+            kept[name] += list(batch[name])
+        for name, value in _run(modules, built, batch, device).items():
+            for row, index in enumerate(batch_indices):
+                # a copy: a row of the batch tensor would save its whole storage
+                tensors[f"{name}/{index}"] = value[row].contiguous().clone()
+    return tensors, kept
 
 
 def _reusable(path: Path, fingerprint: dict[str, str], indices: list[int]) -> dict[str, Any] | None:

@@ -250,3 +250,31 @@ def test_batches_hold_one_bucket_and_resume(videos):
     resumed.load_state_dict(loader.state_dict())
     assert resumed._batch_indices(resumed.epoch, resumed.consumed) == indices[2:]
     assert GroupedStepLoader(dataset, **options)._batch_indices(1, 0) != indices
+
+
+def test_datamodule_from_yaml_gives_batches_of_one_bucket(videos):
+    from jsonargparse import ArgumentParser
+    from lightning.pytorch import LightningDataModule
+
+    parser = ArgumentParser(exit_on_error=False)
+    parser.add_subclass_arguments(LightningDataModule, "data", required=True)
+    section = {
+        "class_path": "forge_lightning.datamodules.diffusion.VideoDiffusionDataModule",
+        "init_args": {
+            "data": {
+                "entries": [str(videos / "captions.jsonl")],
+                "buckets": [[5, 32, 48], [5, 48, 32]],
+                "fps": FPS,
+            },
+            "batch_size": 1,
+            "num_workers": 0,
+            "pin_memory": False,
+        },
+    }
+    datamodule = parser.instantiate_classes(parser.parse_object({"data": section})).data
+    datamodule.setup("fit")
+    batches = list(datamodule.train_dataloader())
+    assert sorted(tuple(b["video"].shape) for b in batches) == [(1, 3, 5, 32, 48)] * 2 + [(1, 3, 5, 48, 32)]
+    assert "step_tokens" not in batches[0]
+    with pytest.raises(ValueError, match="cache and cache_config go together"):
+        type(datamodule)(cache="features")

@@ -16,6 +16,7 @@ and with which frozen modules::
     batch_size: 4
     samples_per_shard: 256
     device: cuda
+    num_workers: 4                     # processes decoding the videos
 """
 
 from __future__ import annotations
@@ -94,16 +95,25 @@ class PrecomputeConfig:
     batch_size: int = 4
     samples_per_shard: int = 256
     device: str = "cpu"
+    num_workers: int = 0
 
     @classmethod
     def from_mapping(cls, config: Mapping[str, Any], where: str = "the config") -> PrecomputeConfig:
         """From the parsed YAML; errors name the section."""
         config = dict(config)
-        unknown = set(config) - {"data", "modules", "keep", "batch_size", "samples_per_shard", "device"}
+        unknown = set(config) - {
+            "data",
+            "modules",
+            "keep",
+            "batch_size",
+            "samples_per_shard",
+            "device",
+            "num_workers",
+        }
         if unknown or "data" not in config or not config.get("modules"):
             raise ValueError(
                 f"{where}: needs data and modules sections (and optionally keep, batch_size, samples_per_shard, "
-                f"device){f'; unknown keys {sorted(unknown)}' if unknown else ''}"
+                f"device, num_workers){f'; unknown keys {sorted(unknown)}' if unknown else ''}"
             )
         try:
             data = VideoCaptionConfig(**config.pop("data"))
@@ -149,6 +159,7 @@ def run_precompute(
         samples_per_shard=config.samples_per_shard,
         keep=config.keep,
         device=device or config.device,
+        num_workers=config.num_workers,
         log=log,
     )
     log(
