@@ -313,3 +313,40 @@ def test_the_datamodule_trains_from_the_cache(setup, tmp_path):
     )
     with pytest.raises(CacheError, match="differing: tokenizer"):
         VideoDiffusionDataModule(cache=str(setup["cache"]), cache_config=str(config), **options).setup("fit")
+
+
+class Captions(torch.utils.data.Dataset):
+    """Captions only, no groups: the cache's generic path."""
+
+    def __len__(self) -> int:
+        return len(CAPTIONS)
+
+    def __getitem__(self, index: int) -> dict:
+        return {"caption": CAPTIONS[index]}
+
+    def sample_id(self, index: int) -> str:
+        return f"caption {index}"
+
+    def fingerprint(self) -> dict:
+        return {"captions": CAPTIONS}
+
+
+def test_outputs_are_stored_in_the_configured_dtype(setup, tmp_path):
+    tokenizer, text_encoder = module_configs(setup["root"])[:2]
+    modules = [
+        FrozenModule.from_config({**tokenizer, "store": False}),
+        FrozenModule.from_config({**text_encoder, "dtype": "bfloat16"}),
+    ]
+    collate = lambda samples: {"caption": [s["caption"] for s in samples]}  # noqa: E731
+    precompute(Captions(), modules, tmp_path, collate_fn=collate, batch_size=5, log=lambda _: None)
+    cache = FeatureCacheDataset(tmp_path, modules=modules, dataset=Captions())
+    assert set(cache.manifest["fields"]) == {"text_embeddings"}
+    assert cache.manifest["fields"]["text_embeddings"] == {"dtype": "BF16", "shapes": {"[8, 16]": 5}}
+    tokenize, text, _ = _loaded(setup["root"])
+    tokens = tokenize(
+        CAPTIONS, padding="max_length", max_length=MAX_LENGTH, truncation=True, return_tensors="pt"
+    )
+    with torch.inference_mode():
+        expected = text(**tokens).last_hidden_state
+    for index in range(5):
+        assert torch.equal(cache[index]["text_embeddings"], expected[index].to(torch.bfloat16))
