@@ -350,3 +350,32 @@ def test_outputs_are_stored_in_the_configured_dtype(setup, tmp_path):
         expected = text(**tokens).last_hidden_state
     for index in range(5):
         assert torch.equal(cache[index]["text_embeddings"], expected[index].to(torch.bfloat16))
+
+
+def test_a_module_config_names_its_errors(setup, tmp_path):
+    with pytest.raises(
+        ValueError, match="target 'transformers.NoSuchModel.from_pretrained' names nothing importable"
+    ):
+        FrozenModule(
+            name="x", target="transformers.NoSuchModel.from_pretrained", inputs={"a": "b"}, outputs={"c": ""}
+        ).build()
+    with pytest.raises(ValueError, match="'x': dtype 'float77' is not a torch dtype"):
+        FrozenModule(
+            name="x", target="torch.nn.Identity", inputs={"a": "b"}, outputs={"c": ""}, dtype="float77"
+        )
+    with pytest.raises(ValueError, match="frozen module 'x': .*unexpected keyword argument 'input'"):
+        FrozenModule.from_config({"name": "x", "target": "torch.nn.Identity", "input": {}, "outputs": ["c"]})
+    # from_pretrained(repo, subfolder=...): only that part's files are the weights' identity
+    (tmp_path / "repo").mkdir()
+    shutil.copytree(setup["root"] / "vae", tmp_path / "repo" / "vae")
+    module = FrozenModule.from_config(
+        {
+            **module_configs(setup["root"])[2],
+            "init_args": {"pretrained_model_name_or_path": str(tmp_path / "repo"), "subfolder": "vae"},
+        }
+    )
+    before = module.fingerprint()
+    (tmp_path / "repo" / "transformer.safetensors").write_bytes(b"other part")
+    assert module.fingerprint() == before
+    (tmp_path / "repo" / "vae" / "config.json").write_text("{}")
+    assert module.fingerprint() != before

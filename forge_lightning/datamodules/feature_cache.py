@@ -105,8 +105,11 @@ class FrozenModule:
     def fingerprint(self) -> str:
         """SHA-256 of the config and of the content hashes of the files its ``init_args`` name."""
         files = {}
+        subfolder = self.init_args.get("subfolder")
         for value in _strings(self.init_args):
             path = Path(value)
+            if isinstance(subfolder, str) and (path / subfolder).is_dir():
+                path = path / subfolder  # from_pretrained(repo, subfolder=...) reads only that part
             if path.is_file() or path.is_dir():
                 found = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
                 hashes = hash_files(found)
@@ -116,17 +119,29 @@ class FrozenModule:
 
     def build(self, device: str | torch.device = "cpu") -> Callable[..., Any]:
         """The callable: ``target(**init_args)`` (its ``method``), moved to ``device``, in eval mode, frozen."""
-        module_name, _, attribute = self.target.rpartition(".")
-        try:
-            owner: Any = importlib.import_module(module_name)
-        except ImportError:
-            # a class method such as package.Class.from_pretrained
-            parent, _, cls_name = module_name.rpartition(".")
-            owner = getattr(importlib.import_module(parent), cls_name)
-        built = getattr(owner, attribute)(**self.init_args)
+        built = _resolve(self.target, self.name)(**self.init_args)
         if isinstance(built, torch.nn.Module):
             built = built.to(device).eval().requires_grad_(False)
         return getattr(built, self.method) if self.method else built
+
+
+def _resolve(target: str, name: str) -> Callable[..., Any]:
+    """The object a dotted path names: a module attribute, or a class attribute (``package.Class.from_pretrained``)."""
+    parts = target.split(".")
+    for split in range(len(parts) - 1, 0, -1):
+        try:
+            found: Any = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for part in parts[split:]:
+                found = getattr(found, part)
+        except AttributeError:
+            break
+        return found
+    raise ValueError(
+        f"frozen module {name!r}: target {target!r} names nothing importable (package.module.Class)"
+    )
 
 
 def _strings(value: Any) -> Iterator[str]:
