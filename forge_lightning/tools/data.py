@@ -7,7 +7,9 @@ the quick-start data (tokenizer + dataset) from the Python standard library's ow
 FILE --tokenizer DIR [--template NAME] [--num N]`` prints rendered chat samples with the trained tokens highlighted.
 ``forge-data sft-quickstart --output DIR`` writes the fine-tuning quick start's chat data and tokenizer;
 ``forge-data vlm-quickstart --output DIR`` the vision-language one's images, questions and tokenizer.
-``forge-data vlm-pack`` packs vision-language records into rows offline (:mod:`forge_lightning.tools.vlm_pack`). Later
+``forge-data vlm-pack`` packs vision-language records into rows offline (:mod:`forge_lightning.tools.vlm_pack`).
+``forge-data precompute --config CFG.yaml --output DIR`` writes the frozen-encoder feature cache of a video-caption
+dataset (:mod:`forge_lightning.datamodules.diffusion.precompute`). Later
 subcommands plug in as one function each in ``COMMANDS``.
 
 Inputs are ``.jsonl`` files (one document per line, text under ``--json-key``), ``.txt`` files (one document
@@ -622,6 +624,16 @@ def vlm_quickstart(args: argparse.Namespace) -> None:
     build_vlm_quickstart(args.output, num_train=args.num_train, num_val=args.num_val, seed=args.seed)
 
 
+def precompute_features(args: argparse.Namespace) -> None:
+    """Run the config's frozen modules over its video-caption data into a feature cache (resumes a cut-off run)."""
+    from forge_lightning.datamodules.diffusion.precompute import run_precompute
+
+    try:
+        run_precompute(args.config, args.output, device=args.device, log=console.print)
+    except ValueError as error:  # a config, data or cache problem, named (CacheError, BadSampleError)
+        raise DataError(str(error)) from None
+
+
 def _positive_int(value: str) -> int:
     number = int(value)
     if number < 1:
@@ -716,6 +728,16 @@ def _add_sft_quickstart(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=sft_quickstart)
 
 
+def _add_precompute(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "precompute", help="frozen-encoder features of video-caption data into a feature cache (safetensors)"
+    )
+    p.add_argument("--config", required=True, help="YAML: data, frozen modules, batch_size, device")
+    p.add_argument("--output", required=True, help="the cache directory (an interrupted run resumes there)")
+    p.add_argument("--device", default=None, help="where the modules run (default: the config's device)")
+    p.set_defaults(func=precompute_features)
+
+
 COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_pretrain,
     _add_train_tokenizer,
@@ -725,6 +747,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_vlm_quickstart,
     lerobot_data.add_commands,
     vlm_pack.add_commands,
+    _add_precompute,
 ]
 
 
