@@ -11,6 +11,7 @@ import transformers
 from llm_parity import assert_matches_transformers, load_forge, randomize_weights
 from safetensors.torch import load_file, save_file
 
+from forge_lightning.modules.layers import state_dict as state_dict_io
 from forge_lightning.modules.llm import (
     DecoderLM,
     LLMConfig,
@@ -18,7 +19,6 @@ from forge_lightning.modules.llm import (
     load_pretrained,
     save_pretrained,
 )
-from forge_lightning.modules.llm import hf as hf_io
 
 _BASE = dict(
     vocab_size=256,
@@ -263,7 +263,7 @@ def test_export_is_atomic(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> No
             raise OSError("disk full")
         save_file(*args, **kwargs)
 
-    monkeypatch.setattr(hf_io, "save_file", failing_save_file)
+    monkeypatch.setattr(state_dict_io, "save_file", failing_save_file)
     with pytest.raises(OSError, match="disk full"):
         save_pretrained(model, model.config, tmp_path / "export", max_shard_size="100KB")
     assert list(tmp_path.iterdir()) == []  # neither the export nor its temporary directory remains

@@ -15,14 +15,13 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from forge_lightning.atomic_io import replace
 from forge_lightning.manifest import FileChecks, write_directory_manifest
 from forge_lightning.modules.diffusion.wan_config import WanDiTConfig
 from forge_lightning.modules.diffusion.wan_model import WanDiT
-from forge_lightning.modules.layers.state_dict import load_exact
+from forge_lightning.modules.layers.state_dict import load_exact, write_safetensors_shards
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "diffusion_pytorch_model.safetensors"
@@ -144,34 +143,10 @@ def save_pretrained(
         (tmp / CONFIG_FILE).write_text(
             json.dumps(model.config.to_diffusers(), indent=2, sort_keys=True) + "\n"
         )
-        _write_shards(tensors, tmp, max_shard_size)
+        write_safetensors_shards(tensors, tmp, max_shard_size, WEIGHTS_FILE)
         write_directory_manifest(tmp)
         replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out_dir
-
-
-def _write_shards(tensors: dict[str, Tensor], out: Path, max_bytes: int) -> None:
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for name, tensor in tensors.items():
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor
-        size += nbytes
-    if len(shards) == 1:
-        save_file(shards[0], out / WEIGHTS_FILE, metadata={"format": "pt"})
-        return
-    weight_map = {}
-    stem = WEIGHTS_FILE.removesuffix(".safetensors")
-    for i, shard in enumerate(shards, start=1):
-        file = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (out / WEIGHTS_INDEX).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

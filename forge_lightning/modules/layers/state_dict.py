@@ -10,9 +10,12 @@ by the ``reset_parameters`` of the parameter-free module that owns them. Tied pa
 from __future__ import annotations
 
 import itertools
+import json
 from collections.abc import Mapping
+from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 
 
@@ -117,3 +120,32 @@ def _join(prefix: str, name: str) -> str:
 def _set(module: nn.Module, name: str, param: nn.Parameter) -> None:
     owner_name, _, attr = name.rpartition(".")
     setattr(module.get_submodule(owner_name), attr, param)
+
+
+def write_safetensors_shards(
+    tensors: Mapping[str, Tensor], out: Path, max_bytes: int, weights_file: str
+) -> None:
+    """``tensors`` in ``out`` as Hugging Face writes them: one ``weights_file`` when they fit in ``max_bytes``,
+    else shards ``<stem>-00001-of-0000N.safetensors`` of at most ``max_bytes`` each (a larger tensor alone) and
+    ``<weights_file>.index.json`` naming each tensor's shard."""
+    shards: list[dict[str, Tensor]] = [{}]
+    shard_bytes = 0
+    for name, tensor in tensors.items():
+        size = tensor.numel() * tensor.element_size()
+        if shards[-1] and shard_bytes + size > max_bytes:
+            shards.append({})
+            shard_bytes = 0
+        shards[-1][name] = tensor
+        shard_bytes += size
+    if len(shards) == 1:
+        save_file(shards[0], out / weights_file, metadata={"format": "pt"})
+        return
+    stem = weights_file.removesuffix(".safetensors")
+    weight_map = {}
+    for i, shard in enumerate(shards, start=1):
+        file = f"{stem}-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, out / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(shard, file))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / f"{weights_file}.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")

@@ -35,12 +35,11 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 from torch import Tensor
 
 from forge_lightning.atomic_io import replace
 from forge_lightning.manifest import FileChecks, write_directory_manifest
-from forge_lightning.modules.layers.state_dict import assign_weights
+from forge_lightning.modules.layers.state_dict import assign_weights, write_safetensors_shards
 from forge_lightning.modules.llm.config import LLMConfig, field_value
 from forge_lightning.modules.llm.model import DecoderLM
 
@@ -337,7 +336,7 @@ def write_hf_checkpoint(
     try:
         for name, content in json_files.items():
             _write_json(tmp / name, content)
-        _write_shards(tensors, tmp, max_bytes)
+        write_safetensors_shards(tensors, tmp, max_bytes, SAFETENSORS_FILE)
         write_directory_manifest(tmp)
         replace(tmp, out_dir)
     except BaseException:
@@ -428,28 +427,6 @@ def split_experts(state: Mapping[str, Tensor]) -> dict[str, Tensor]:
         else:
             out[name] = tensor
     return out
-
-
-def _write_shards(tensors: dict[str, Tensor], out: Path, max_bytes: int) -> None:
-    shards: list[dict[str, Tensor]] = [{}]
-    shard_bytes = 0
-    for name, tensor in tensors.items():
-        size = tensor.numel() * tensor.element_size()
-        if shards[-1] and shard_bytes + size > max_bytes:
-            shards.append({})
-            shard_bytes = 0
-        shards[-1][name] = tensor
-        shard_bytes += size
-    if len(shards) == 1:
-        save_file(shards[0], out / SAFETENSORS_FILE, metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, shard in enumerate(shards, start=1):
-        file = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, out / file, metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(shard, file))
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    _write_json(out / SAFETENSORS_INDEX, {"metadata": {"total_size": total}, "weight_map": weight_map})
 
 
 def _write_json(file: Path, data: dict) -> None:
