@@ -27,6 +27,8 @@ _EXPORTS = {
     "sample_euler": "sampling",
     "WanTextEncoder": "encoders",
     "WanVAE": "encoders",
+    "WanDiffusionModule": "module",
+    "sample_generator": "module",
 }
 
 __all__ = [
@@ -39,12 +41,14 @@ __all__ = [
     "WanBlock",
     "WanDiT",
     "WanDiTConfig",
+    "WanDiffusionModule",
     "WanTextEncoder",
     "WanVAE",
     "flow_match_sigmas",
     "load_pretrained",
     "preset",
     "sample_euler",
+    "sample_generator",
     "save_pretrained",
 ]
 
@@ -55,6 +59,7 @@ if TYPE_CHECKING:
         FlowMatchingConfig,
         FlowMatchingSample,
     )
+    from forge_lightning.modules.diffusion.module import WanDiffusionModule, sample_generator
     from forge_lightning.modules.diffusion.sampling import Denoiser, flow_match_sigmas, sample_euler
     from forge_lightning.modules.diffusion.wan_config import PRESETS, WanDiTConfig, preset
     from forge_lightning.modules.diffusion.wan_hf import load_pretrained, save_pretrained
