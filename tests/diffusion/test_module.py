@@ -296,3 +296,12 @@ def test_activation_checkpointing_per_block_keeps_gradients():
     assert len(calls) == 2 * len(checkpointed.dit.blocks)  # each block's attention ran again in backward
     for (name, a), b in zip(plain.dit.named_parameters(), checkpointed.dit.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=0, atol=1e-6, msg=name)
+
+
+def test_save_pretrained_loads_in_diffusers(tmp_path):
+    module = _perturbed(WanDiffusionModule(config=DIT))
+    module.save_pretrained(tmp_path / "transformer")
+    reference = WanTransformer3DModel.from_pretrained(tmp_path / "transformer")
+    latents, text, timestep = torch.randn(1, 4, 3, 4, 4), torch.randn(1, 5, 16), torch.tensor([300.0])
+    expected = reference(latents, timestep, text, return_dict=False)[0]
+    torch.testing.assert_close(module.dit(latents, timestep, text), expected, rtol=0, atol=1e-5)
