@@ -235,30 +235,23 @@ def test_fit_lowers_the_fixed_sigma_validation_loss():
     assert trainer.validate(module, loader, verbose=False)[0]["val/loss"] == after["val/loss"]
 
 
+RECIPE = REPO / "configs" / "diffusion" / "debug" / "cache_fsdp2.yaml"
+
+
 def _launch(case: dict, name: str, devices: int, strategy: dict | str) -> dict[int, float]:
+    """The debug recipe on ``devices`` processes (global batch 2), its cache pointed at the case's: the losses."""
     root = case["root"]
-    config = {
-        "seed_everything": 3,
-        "trainer": {
-            "accelerator": "cpu", "devices": devices, "precision": "32-true", "max_steps": 3, "strategy": strategy,
-            "enable_checkpointing": False, "enable_progress_bar": False, "enable_model_summary": False,
-            "log_every_n_steps": 1,
-            "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger", "init_args": {"save_dir": str(root), "name": name}},
-        },
-        "model": {
-            "class_path": "forge_lightning.modules.diffusion.WanDiffusionModule",
-            "init_args": {"config": DIT, "flow_matching": {"shift": 3.0}},
-        },
-        "data": {
-            "class_path": "forge_lightning.datamodules.diffusion.VideoDiffusionDataModule",
-            "init_args": {
-                "cache": str(root / "features"), "cache_config": str(root / "precompute.yaml"),
-                "batch_size": 2 // devices, "num_workers": 0, "pin_memory": False,
-            },
-        },
-        "optimizer": {"name": "adamw", "lr": 1e-3},
-        "scheduler": {"name": "constant"},
-    }  # fmt: skip
+    config = yaml.safe_load(RECIPE.read_text())
+    config["trainer"].update(
+        devices=devices, strategy=strategy, enable_progress_bar=False, enable_model_summary=False
+    )
+    config["trainer"]["logger"] = {
+        "class_path": "lightning.pytorch.loggers.CSVLogger",
+        "init_args": {"save_dir": str(root), "name": name},
+    }
+    config["data"]["init_args"].update(
+        cache=str(root / "features"), cache_config=str(root / "precompute.yaml"), batch_size=2 // devices
+    )
     path = root / f"{name}.yaml"
     path.write_text(json.dumps(config))
     command = [sys.executable, "-m", "forge_lightning", "fit", "--config", str(path)]
