@@ -238,8 +238,9 @@ def test_fit_lowers_the_fixed_sigma_validation_loss():
 RECIPE = REPO / "configs" / "diffusion" / "debug" / "cache_fsdp2.yaml"
 
 
-def _launch(case: dict, name: str, devices: int, strategy: dict | str) -> dict[int, float]:
-    """The debug recipe on ``devices`` processes (global batch 2), its cache pointed at the case's: the losses."""
+def _launch(case: dict, name: str, devices: int, strategy: dict | str) -> tuple[dict[int, float], str]:
+    """The debug recipe on ``devices`` processes (global batch 2), its cache pointed at the case's: the losses by
+    step and the log."""
     root = case["root"]
     config = yaml.safe_load(RECIPE.read_text())
     config["trainer"].update(
@@ -259,12 +260,14 @@ def _launch(case: dict, name: str, devices: int, strategy: dict | str) -> dict[i
     proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
     assert_clean_exit(proc)
     rows = csv.DictReader((root / name / "version_0" / "metrics.csv").open())
-    return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+    losses = {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+    return losses, proc.stdout + proc.stderr
 
 
 def test_fsdp2_on_two_processes_matches_one(case):
-    one = _launch(case, "one", 1, "auto")
-    two = _launch(case, "fsdp2", 2, {"class_path": "forge_lightning.strategies.FSDP2Strategy"})
+    one, _ = _launch(case, "one", 1, "auto")
+    two, log = _launch(case, "fsdp2", 2, {"class_path": "forge_lightning.strategies.FSDP2Strategy"})
+    assert "dp_shard=2" in log and "fully_shard: 2 blocks" in log  # the DiT's blocks sharded over 2 ranks
     assert sorted(one) == sorted(two) == [0, 1, 2] and len(set(one.values())) == 3
     deltas = {step: abs(one[step] - two[step]) for step in one}
     assert max(deltas.values()) <= 2e-6, deltas
