@@ -21,6 +21,7 @@ import tempfile
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ from forge_lightning.datamodules.diffusion.buckets import (
 )
 from forge_lightning.datamodules.json_records import MalformedRecord, read_json_records
 from forge_lightning.datamodules.lerobot.video import VideoFrames
-from forge_lightning.datamodules.vlm.scan import ON_BAD_SAMPLE, BadSampleError
+from forge_lightning.datamodules.vlm.scan import ON_BAD_SAMPLE, BadSampleError, scan_or_skip
 from forge_lightning.datamodules.vlm.sources import SHARD_SUFFIXES, TarMember, require
 from forge_lightning.datamodules.vlm.video import VideoInfo, probe_video, read_video
 
@@ -233,12 +234,10 @@ def scan_video_captions(
     for entry in entries:
         for record in _records(str(entry), root):
             report.records += 1
-            try:
-                sample = _scan(record, buckets, fps, verify_frames)
-            except BadSampleError as error:
-                if on_bad_sample == "error":
-                    raise
-                report.skipped.setdefault(error.reason, []).append(str(error))
+            sample = scan_or_skip(
+                partial(_scan, record, buckets, fps, verify_frames), on_bad_sample, report.skipped
+            )
+            if sample is None:
                 continue
             samples.append(sample)
             report.kept += 1

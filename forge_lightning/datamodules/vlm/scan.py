@@ -10,10 +10,11 @@ training length and patch count (what packing and load balancing need).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 import numpy as np
 
@@ -32,6 +33,7 @@ from forge_lightning.datamodules.vlm.video import VideoFile, probe_video, read_v
 from forge_lightning.datamodules.vlm.vision_inputs import VideoInputs, image_num_patches
 
 ON_BAD_SAMPLE = ("skip", "error")
+_Sample = TypeVar("_Sample")
 
 # Reasons a record is left out, in the order the summary lists them.
 MALFORMED = "malformed record"
@@ -105,6 +107,20 @@ class VLMSample:
         return len(self.tokens) - 1
 
 
+def scan_or_skip(
+    scan: Callable[[], _Sample], on_bad_sample: str, skipped: dict[str, list[str]]
+) -> _Sample | None:
+    """``scan()``'s sample; on a :class:`BadSampleError` either raised again (``on_bad_sample`` ``error``) or its
+    message recorded in ``skipped`` under its reason and ``None`` returned (``skip``)."""
+    try:
+        return scan()
+    except BadSampleError as error:
+        if on_bad_sample == "error":
+            raise
+        skipped.setdefault(error.reason, []).append(str(error))
+        return None
+
+
 @dataclass
 class ScanReport:
     """What the scan kept and why it left records out.
@@ -174,12 +190,10 @@ def scan_files(
     for records in sources:
         for raw in records.records():
             report.records += 1
-            try:
-                sample = _scan_record(raw, encoder, seq_length, verify_pixels)
-            except BadSampleError as error:
-                if on_bad_sample == "error":
-                    raise
-                report.skipped.setdefault(error.reason, []).append(str(error))
+            sample = scan_or_skip(
+                partial(_scan_record, raw, encoder, seq_length, verify_pixels), on_bad_sample, report.skipped
+            )
+            if sample is None:
                 continue
             samples.append(sample)
             report.kept += 1

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from forge_lightning.modules.layers.rope import MultimodalRotaryEmbedding
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.loss import LMLoss
 from forge_lightning.modules.llm.model import build_rotary
@@ -67,7 +68,7 @@ def build_gpt_model(
     for rotary in rotaries:
         rotary.inv_freq = native.inv_freq.clone()
     # M-RoPE: the position axis (temporal, height, width) of each frequency, chunked or interleaved (Qwen3-VL).
-    model.mrope_axes = getattr(native, "axis_of_freq", None)
+    model.mrope_axes = native.axis_of_freq if isinstance(native, MultimodalRotaryEmbedding) else None
     model.loss = LMLoss() if loss is None else loss
     model.fused_loss = fused_loss and tp == 1
     return model
