@@ -10,6 +10,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import av
@@ -20,6 +23,7 @@ import torch
 import yaml
 from lightning.pytorch.loggers import TensorBoardLogger, WandbLogger
 from PIL import Image
+from procs import assert_clean_exit
 from tensorboard.backend.event_processing.event_accumulator import IMAGES, EventAccumulator
 from torch.utils.data import DataLoader, Dataset
 from wan_case import DIT, MAX_LENGTH, build_case, wan_module
@@ -122,6 +126,53 @@ def test_sampling_callback_writes_logs_and_equals_generate(case, tmp_path, monke
     assert len(media) == 4 and all(p.name.startswith(("video_0", "video_1")) for p in media)
     record = next(run.glob("run-*.wandb")).read_bytes()
     assert b"samples/video_0" in record and b"a red clip" in record
+
+
+def _sample_in_recipe(case: dict, name: str, devices: int, strategy: dict | str) -> list[Path]:
+    """The debug training recipe (2 steps, global batch 2) on ``devices`` processes with a VideoSamplingCallback
+    sampling after step 2: the files it wrote."""
+    root, wan = case["root"], str(case["wan"])
+    config = yaml.safe_load(TRAIN_RECIPE.read_text())
+    config["trainer"].update(
+        devices=devices, strategy=strategy, max_steps=2, logger=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(root / name),
+    )  # fmt: skip
+    sampler = {
+        "prompts": PROMPTS,
+        "every_n_steps": 2,
+        **SIZE,
+        "num_inference_steps": 3,
+        "guidance_scale": 3.0,
+    }
+    sampler.update(seed=5, fps=8, output_dir=str(root / name / "videos"))
+    config["trainer"]["callbacks"] = [
+        {"class_path": "forge_lightning.callbacks.VideoSamplingCallback", "init_args": sampler}
+    ]
+    config["model"]["init_args"].update(
+        vae=wan, text_encoder=wan, text_encoder_dtype="float32", text_max_length=MAX_LENGTH
+    )
+    config["data"]["init_args"].update(
+        cache=str(root / "features"), cache_config=str(root / "precompute.yaml"), batch_size=2 // devices
+    )
+    path = root / f"{name}.yaml"
+    path.write_text(json.dumps(config))
+    command = [sys.executable, "-m", "forge_lightning", "fit", "--config", str(path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    assert_clean_exit(proc)
+    return sorted((root / name / "videos").iterdir())
+
+
+@pytest.mark.slow
+def test_sampling_under_fsdp2_on_two_processes_matches_one(case):
+    """Every rank runs the sharded DiT's sampling forwards (else the all-gathers hang), rank 0 alone writes."""
+    one = _sample_in_recipe(case, "one", 1, "auto")
+    two = _sample_in_recipe(case, "fsdp2", 2, {"class_path": "forge_lightning.strategies.FSDP2Strategy"})
+    assert [p.name for p in one] == [p.name for p in two] == ["step_000002_0.mp4", "step_000002_1.mp4"]
+    for a, b in zip(one, two):
+        frames_one, frames_two = _decode_mp4(a).astype(int), _decode_mp4(b).astype(int)
+        assert frames_one.shape == (5, 16, 16, 3)
+        assert np.abs(frames_one - frames_two).max() <= 1, (a.name, np.abs(frames_one - frames_two).max())
 
 
 def test_generate_per_prompt_seeds_do_not_depend_on_the_batch(case):
