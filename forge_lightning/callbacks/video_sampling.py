@@ -80,14 +80,11 @@ class VideoSamplingCallback(Callback):
     ) -> None:
         if not prompts or not all(isinstance(p, str) and p.strip() for p in prompts):
             raise ValueError(f"prompts ({prompts!r}) must be a non-empty list of non-empty strings")
-        for name, value in (("every_n_steps", every_n_steps), ("fps", fps)):
+        counts = {"every_n_steps": every_n_steps, "fps": fps, "num_inference_steps": num_inference_steps}
+        counts.update(num_frames=num_frames, height=height, width=width)
+        for name, value in counts.items():
             if value < 1:
                 raise ValueError(f"{name} ({value}) must be at least 1")
-        for name, value in (("num_frames", num_frames), ("height", height), ("width", width)):
-            if value < 1:
-                raise ValueError(f"{name} ({value}) must be at least 1")
-        if num_inference_steps < 1:
-            raise ValueError(f"num_inference_steps ({num_inference_steps}) must be at least 1")
         self.prompts = list(prompts)
         self.every_n_steps = every_n_steps
         self.size = {"num_frames": num_frames, "height": height, "width": width}

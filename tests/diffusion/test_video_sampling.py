@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -116,10 +117,11 @@ def test_sampling_callback_writes_logs_and_equals_generate(case, tmp_path, monke
     assert {"samples/video_0", "samples/video_1"} <= set(events.Tags()["images"])
     images = events.Images("samples/video_1")
     assert [e.step for e in images] == [2, 4]
-    gif = Image.open(__import__("io").BytesIO(images[-1].encoded_image_string))
+    gif = Image.open(io.BytesIO(images[-1].encoded_image_string))
     assert gif.format == "GIF" and gif.n_frames == 5 and gif.size == (16, 16)
     first = np.asarray(gif.convert("RGB"))
-    np.testing.assert_array_equal(first, video_frames(sampler.videos[1])[0])  # GIF palette exact on 16 x 16?
+    # a 16 x 16 frame has at most 256 colours: the GIF's palette holds them exactly
+    np.testing.assert_array_equal(first, video_frames(sampler.videos[1])[0])
 
     run = next((tmp_path / "wandb").glob("offline-run-*"))
     media = sorted((run / "files" / "media" / "videos").rglob("*.mp4"))
@@ -295,6 +297,8 @@ def test_prompt_files(tmp_path):
 
 
 def test_callbacks_refuse_a_module_without_vae(tmp_path):
+    with pytest.raises(TypeError, match="needs a video-generating module"):
+        _sampler(tmp_path).setup(pl.Trainer(accelerator="cpu", logger=False), pl.LightningModule(), "fit")
     module = WanDiffusionModule(config=DIT)
     for callback in (_sampler(tmp_path), VideoPredictionWriter(str(tmp_path))):
         with pytest.raises(ValueError, match=r"no decoder for its latents: configure model\.init_args\.vae"):

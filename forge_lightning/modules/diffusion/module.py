@@ -85,6 +85,16 @@ def sample_generator(*key: Any) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
 
 
+def starting_noise(shape: tuple[int, ...], batch: int, seed: int | Sequence[int]) -> Tensor:
+    """Sampling's starting noise ``[batch, *shape]`` (fp32, CPU): from one generator seeded ``seed``, or each
+    sample's from a generator of its own seed (then the same whatever the batch)."""
+    if isinstance(seed, int):
+        return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
+    if len(seed) != batch:
+        raise ValueError(f"{len(seed)} seeds for {batch} prompts: give one seed per prompt")
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seed])
+
+
 def dit_config(config: str | Mapping[str, Any] | WanDiTConfig, attention_backend: str) -> WanDiTConfig:
     """A :class:`WanDiTConfig` from a preset name, a diffusers directory, fields (``preset`` may name the base)."""
     if isinstance(config, WanDiTConfig):
@@ -467,14 +477,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             height // spatial,
             width // spatial,
         )
-        if isinstance(seed, int):
-            noise = torch.randn((text.shape[0], *shape), generator=torch.Generator().manual_seed(seed))
-        else:
-            if len(seed) != text.shape[0]:
-                raise ValueError(f"{len(seed)} seeds for {text.shape[0]} prompts: give one seed per prompt")
-            noise = torch.stack(
-                [torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seed]
-            )
+        noise = starting_noise(shape, text.shape[0], seed)
         latents = sample_euler(
             lambda x, t, txt: self.dit(x, t, txt),
             noise.to(self.device, dtype),
