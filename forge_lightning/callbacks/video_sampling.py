@@ -178,6 +178,14 @@ class VideoPredictionWriter(BasePredictionWriter):
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         check_video_module(self, pl_module)
+        if trainer.world_size > 1 and everyone_samples(trainer):
+            # Lightning splits the prompts over the ranks without repeating any, so the ranks may run different
+            # numbers of batches, and a sharded model's forward needs every rank.
+            raise ValueError(
+                f"forge predict of videos under {type(trainer.strategy).__name__} on {trainer.world_size} ranks is "
+                "not supported (each rank generates its own prompts, and a sharded model needs all ranks in every "
+                "forward): predict on one device, or under DDP (trainer.strategy: ddp)"
+            )
 
     @override
     def on_predict_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

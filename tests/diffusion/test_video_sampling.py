@@ -34,6 +34,7 @@ from forge_lightning.callbacks.video_log import video_frames, write_mp4
 from forge_lightning.cli import ForgeCLI, main
 from forge_lightning.datamodules.diffusion import VideoPromptDataModule, read_prompts
 from forge_lightning.modules.diffusion import WanDiffusionModule
+from forge_lightning.strategies import FSDP2Strategy
 
 REPO = Path(__file__).resolve().parents[2]
 TRAIN_RECIPE = REPO / "configs" / "diffusion" / "debug" / "cache_fsdp2.yaml"
@@ -303,6 +304,11 @@ def test_callbacks_refuse_a_module_without_vae(tmp_path):
     for callback in (_sampler(tmp_path), VideoPredictionWriter(str(tmp_path))):
         with pytest.raises(ValueError, match=r"no decoder for its latents: configure model\.init_args\.vae"):
             callback.setup(pl.Trainer(accelerator="cpu", logger=False), module, "fit")
+    sharded = pl.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), logger=False)  # not launched
+    with pytest.raises(ValueError, match="under FSDP2Strategy on 2 ranks is not supported"):
+        VideoPredictionWriter(str(tmp_path)).setup(
+            sharded, wan_module(tmp_path / "no_weights_read"), "predict"
+        )
     with pytest.raises(ValueError, match=r"every_n_steps \(0\) must be at least 1"):
         _sampler(tmp_path, every_n_steps=0)
     with pytest.raises(ValueError, match="non-empty list"):
