@@ -98,7 +98,8 @@ class ForgeCLI(LightningCLI):
         """Before ``fit``, remove the temporaries of saves that were killed midway in the run's checkpoint folders
         (global rank 0); ``--ckpt_path last`` becomes the run's newest complete last checkpoint across its
         ``version_N`` folders (:mod:`forge_lightning.resume`), or an error listing where it looked. After an elastic
-        restart (``torchrun --max-restarts``) ``fit`` resumes from the run's newest complete checkpoint."""
+        restart (``torchrun --max-restarts``) ``fit`` resumes from the run's newest complete checkpoint. ``predict``
+        keeps no outputs (``return_predictions`` false unless given)."""
         kwargs = super()._prepare_subcommand_kwargs(subcommand)
         if subcommand == "fit" and rank_zero_only.rank == 0:
             removed = remove_stale_temporaries(checkpoint_dirs(self.trainer))
@@ -116,6 +117,10 @@ class ForgeCLI(LightningCLI):
                 rank_zero_warn(
                     f"elastic restart {restarts}: the run has no checkpoint yet; training starts over"
                 )
+        if subcommand == "predict" and kwargs.get("return_predictions") is None:
+            # The CLI drops what trainer.predict returns (prediction writers write it); keeping every batch's
+            # outputs until the end costs memory (a video each) for nothing.
+            kwargs["return_predictions"] = False
         if kwargs.get("ckpt_path") == "last":
             kwargs["ckpt_path"] = str(find_last_checkpoint(self.trainer))
             rank_zero_info(f"--ckpt_path last: {kwargs['ckpt_path']}")

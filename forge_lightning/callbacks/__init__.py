@@ -1,5 +1,6 @@
-"""Callbacks: throughput and MFU, text samples, Hugging Face export, validation summaries, closed-loop evaluation,
-and the progress bar, model summary, non-finite guard and config drift check ``forge`` uses by default."""
+"""Callbacks: throughput and MFU, text samples, video samples and predictions, Hugging Face export, validation
+summaries, closed-loop evaluation, and the progress bar, model summary, non-finite guard and config drift check
+``forge`` uses by default."""
 
 from forge_lightning.callbacks.closed_loop import ClosedLoopEval
 from forge_lightning.callbacks.config_drift import ConfigDriftCheck, ResumeOptions
@@ -11,6 +12,7 @@ from forge_lightning.callbacks.progress import StepProgressBar, StepTQDMProgress
 from forge_lightning.callbacks.summary import ForgeModelSummary
 from forge_lightning.callbacks.throughput import ThroughputMonitor
 from forge_lightning.callbacks.validation import ValidationSummary
+from forge_lightning.callbacks.video_sampling import VideoPredictionWriter, VideoSamplingCallback
 
 __all__ = [
     "ClosedLoopEval",
@@ -26,4 +28,6 @@ __all__ = [
     "TextSample",
     "ThroughputMonitor",
     "ValidationSummary",
+    "VideoPredictionWriter",
+    "VideoSamplingCallback",
 ]

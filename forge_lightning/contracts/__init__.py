@@ -39,6 +39,7 @@ from forge_lightning.contracts.module import (
     SkippedStepAware,
     StepLoss,
     TunedModule,
+    VideoGenerativeModule,
     deferred_pretrained,
     pretrained_deferred,
 )
@@ -93,6 +94,7 @@ __all__ = [
     "TextData",
     "TrainedParameters",
     "TunedModule",
+    "VideoGenerativeModule",
     "VisionTextData",
     "common_divisors",
     "complete_parameter_gather",

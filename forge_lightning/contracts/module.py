@@ -9,6 +9,8 @@ what is missing, instead of probing attributes. A family's module implements the
     TunedModule        performance, performance_switches
                                                   strategies apply the switches; the module applies its own
     GenerativeModule   generate(input_ids, ...)   TextSample, GenerationMetric
+    VideoGenerativeModule  generate(prompts, ...), decode_latents(latents), decodes_video
+                                                  VideoSamplingCallback, VideoPredictionWriter
     ExportableModule   save_pretrained(path)      HFExport
     MegatronModule     megatron_model(build)      MegatronStrategy (see contracts/megatron.py)
 """
@@ -87,6 +89,21 @@ class GenerativeModule(Protocol):
     """A module that continues token sequences (greedy or sampled, with a KV cache)."""
 
     def generate(self, input_ids: Tensor, **kwargs: Any) -> Tensor: ...
+
+
+@runtime_checkable
+class VideoGenerativeModule(Protocol):
+    """A module that generates videos from prompts: ``generate(prompts, seed=[...], decode=False, ...)`` gives
+    latents (a model forward per sampling step: collective under a strategy that shards the model), and
+    ``decode_latents`` turns them into RGB ``[B, 3, F, H, W]`` in ``[-1, 1]``, which needs ``decodes_video`` (its
+    decoder, e.g. a VAE, is configured)."""
+
+    @property
+    def decodes_video(self) -> bool: ...
+
+    def generate(self, prompts: Any, **kwargs: Any) -> Tensor: ...
+
+    def decode_latents(self, latents: Tensor) -> Tensor: ...
 
 
 @runtime_checkable

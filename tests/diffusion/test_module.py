@@ -25,100 +25,21 @@ import numpy as np
 import pytest
 import torch
 import yaml
-from diffusers import AutoencoderKLWan, WanTransformer3DModel
+from diffusers import WanTransformer3DModel
 from procs import assert_clean_exit
-from tokenizers import Tokenizer, models, pre_tokenizers
 from torch.utils.data import DataLoader
-from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+from wan_case import DIT, build_case, wan_module
 
-from forge_lightning.datamodules.diffusion import VideoDiffusionDataModule, run_precompute
+from forge_lightning.datamodules.diffusion import VideoDiffusionDataModule
 from forge_lightning.modules.diffusion import WanDiffusionModule, sample_generator
 from forge_lightning.performance.transforms import apply_activation_checkpointing
-from forge_lightning.sim.video import write_video
 
 REPO = Path(__file__).resolve().parents[2]
-WORDS = ["<pad>", "<unk>", "</s>", "a", "red", "blue", "clip", "of", "the", "sea", "sky"]
-CAPTIONS = ["a red clip", "a blue clip", "the sea", "the sky", "a clip of the sea", "a red sky"]
-MAX_LENGTH = 8
-DIT = {"preset": "debug", "in_channels": 4, "out_channels": 4}
-FLOW = {"shift": 3.0, "text_dropout": 0.3}
-
-
-def _write_encoders(root: Path) -> None:
-    """A Wan-style checkpoint root: ``tokenizer/``, ``text_encoder/`` (UMT5, width 16) and ``vae/`` (z_dim 4)."""
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
-    ).save_pretrained(root / "tokenizer")
-    torch.manual_seed(0)
-    config = UMT5Config(vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4)
-    UMT5EncoderModel(config).save_pretrained(root / "text_encoder")
-    AutoencoderKLWan(
-        base_dim=8,
-        z_dim=4,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        latents_mean=[0.1, -0.2, 0.0, 0.3],
-        latents_std=[1.5, 0.5, 1.0, 2.0],
-    ).save_pretrained(root / "vae")
 
 
 @pytest.fixture(scope="module")
 def case(tmp_path_factory) -> dict:
-    """Clips, captions, encoders, the data config, a precompute YAML and its cache."""
-    root = tmp_path_factory.mktemp("wan_module")
-    rng = np.random.default_rng(0)
-    records = []
-    for k, caption in enumerate(CAPTIONS):
-        frames = [rng.integers(0, 255, (16, 24, 3), dtype=np.uint8) for _ in range(9)]
-        write_video(root / f"clip{k}.mp4", frames, fps=16, min_size=1)
-        records.append(json.dumps({"video": f"clip{k}.mp4", "caption": caption}))
-    (root / "captions.jsonl").write_text("\n".join(records) + "\n")
-    wan = root / "wan"  # its own folder: the cache's fingerprint hashes every file under it
-    _write_encoders(wan)
-    data = {
-        "entries": [str(root / "captions.jsonl")],
-        "buckets": [[5, 16, 16]],
-        "fps": 8,
-        "spatial_stride": 8,
-    }
-    modules = [
-        {
-            "name": "vae",
-            "target": "forge_lightning.modules.diffusion.WanVAE.from_pretrained",
-            "init_args": {"path": str(wan)},
-            "method": "encode",
-            "inputs": {"video_BCFHW": "video"},
-            "outputs": {"latents": ""},
-        },
-        {
-            "name": "text_encoder",
-            "target": "forge_lightning.modules.diffusion.WanTextEncoder.from_pretrained",
-            "init_args": {"path": str(wan), "dtype": "float32", "max_length": MAX_LENGTH},
-            "method": "encode",
-            "inputs": {"prompts": "caption"},
-            "outputs": {"text_embeddings": ""},
-        },
-    ]
-    precompute = {"data": data, "modules": modules, "batch_size": 2, "samples_per_shard": 2}
-    (root / "precompute.yaml").write_text(yaml.safe_dump(precompute))
-    run_precompute(root / "precompute.yaml", root / "features", log=lambda _: None)
-    return {"root": root, "wan": wan, "data": data}
-
-
-def _module(wan: Path, **kwargs) -> WanDiffusionModule:
-    options = dict(
-        config=DIT,
-        flow_matching=FLOW,
-        vae=str(wan),
-        text_encoder=str(wan),
-        text_encoder_dtype="float32",
-        text_max_length=MAX_LENGTH,
-        optimizer={"name": "adamw", "lr": 1e-3},
-        scheduler={"name": "constant"},
-    )
-    return WanDiffusionModule(**{**options, **kwargs})
+    return build_case(tmp_path_factory.mktemp("wan_module"))
 
 
 class _Losses(pl.Callback):
@@ -154,7 +75,7 @@ def test_training_from_the_cache_equals_training_online(case):
 
     root, options = case["root"], dict(batch_size=2, num_workers=0, pin_memory=False, seed=1)
     torch.manual_seed(1)
-    online = _module(case["wan"])
+    online = wan_module(case["wan"])
     cached = copy.deepcopy(online)
     cached.encoder_paths = {
         "vae": None,

@@ -1,5 +1,6 @@
 """Video-diffusion data: video-caption datasets in resolution / frame-count buckets, their grouped loader, the
-precompute of their frozen-encoder features (``forge_lightning.datamodules.feature_cache``) and the datamodule.
+precompute of their frozen-encoder features (``forge_lightning.datamodules.feature_cache``), the training
+datamodule and the prompts of ``forge predict``.
 
 Public names are imported lazily, as in the other data packages.
 """
@@ -27,6 +28,8 @@ _EXPORTS = {
     "VideoCaptionConfig": "precompute",
     "load_precompute_config": "precompute",
     "run_precompute": "precompute",
+    "VideoPromptDataModule": "prompts",
+    "read_prompts": "prompts",
 }
 
 __all__ = [
@@ -38,11 +41,13 @@ __all__ = [
     "VideoCaptionDataset",
     "VideoCaptionSample",
     "VideoDiffusionDataModule",
+    "VideoPromptDataModule",
     "VideoScanReport",
     "choose_bucket",
     "group_batches",
     "load_precompute_config",
     "parse_buckets",
+    "read_prompts",
     "resize_crop",
     "run_precompute",
     "scan_video_captions",
@@ -72,6 +77,7 @@ if TYPE_CHECKING:
         load_precompute_config,
         run_precompute,
     )
+    from forge_lightning.datamodules.diffusion.prompts import VideoPromptDataModule, read_prompts
 
 
 def __getattr__(name: str) -> Any:

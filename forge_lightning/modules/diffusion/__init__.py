@@ -25,6 +25,7 @@ _EXPORTS = {
     "Denoiser": "sampling",
     "flow_match_sigmas": "sampling",
     "sample_euler": "sampling",
+    "VideoGenerationConfig": "sampling",
     "WanTextEncoder": "encoders",
     "WanVAE": "encoders",
     "WanDiffusionModule": "module",
@@ -38,6 +39,7 @@ __all__ = [
     "FlowMatchingConfig",
     "FlowMatchingSample",
     "PRESETS",
+    "VideoGenerationConfig",
     "WanBlock",
     "WanDiT",
     "WanDiTConfig",
@@ -60,7 +62,12 @@ if TYPE_CHECKING:
         FlowMatchingSample,
     )
     from forge_lightning.modules.diffusion.module import WanDiffusionModule, sample_generator
-    from forge_lightning.modules.diffusion.sampling import Denoiser, flow_match_sigmas, sample_euler
+    from forge_lightning.modules.diffusion.sampling import (
+        Denoiser,
+        VideoGenerationConfig,
+        flow_match_sigmas,
+        sample_euler,
+    )
     from forge_lightning.modules.diffusion.wan_config import PRESETS, WanDiTConfig, preset
     from forge_lightning.modules.diffusion.wan_hf import load_pretrained, save_pretrained
     from forge_lightning.modules.diffusion.wan_model import CrossContext, WanBlock, WanDiT

@@ -49,7 +49,7 @@ from forge_lightning.modules.diffusion.flow_matching import (
     per_token_timesteps,
     velocity_target,
 )
-from forge_lightning.modules.diffusion.sampling import sample_euler
+from forge_lightning.modules.diffusion.sampling import VideoGenerationConfig, sample_euler
 from forge_lightning.modules.diffusion.wan_config import PRESETS, WanDiTConfig, preset
 from forge_lightning.modules.diffusion.wan_hf import read_config
 from forge_lightning.modules.diffusion.wan_hf import save_pretrained as save_wan
@@ -83,6 +83,16 @@ def sample_generator(*key: Any) -> torch.Generator:
     same key gives the same draws on every rank and device."""
     digest = hashlib.sha256(json.dumps(key, separators=(",", ":")).encode()).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") & (2**63 - 1))
+
+
+def starting_noise(shape: tuple[int, ...], batch: int, seed: int | Sequence[int]) -> Tensor:
+    """Sampling's starting noise ``[batch, *shape]`` (fp32, CPU): from one generator seeded ``seed``, or each
+    sample's from a generator of its own seed (then the same whatever the batch)."""
+    if isinstance(seed, int):
+        return torch.randn((batch, *shape), generator=torch.Generator().manual_seed(seed))
+    if len(seed) != batch:
+        raise ValueError(f"{len(seed)} seeds for {batch} prompts: give one seed per prompt")
+    return torch.stack([torch.randn(shape, generator=torch.Generator().manual_seed(s)) for s in seed])
 
 
 def dit_config(config: str | Mapping[str, Any] | WanDiTConfig, attention_backend: str) -> WanDiTConfig:
@@ -124,6 +134,8 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             no loss).
         validation_sigmas: the fixed noise levels of the validation loss.
         seed: seed of the per-sample noise, noise levels and text dropout.
+        generation: what ``predict`` generates per prompt (:class:`VideoGenerationConfig`: frames, size, steps,
+            guidance).
         optimizer: optimizer settings (the CLI fills it from the top-level ``optimizer`` section).
         scheduler: learning-rate schedule (the CLI fills it from the top-level ``scheduler`` section).
         performance: kernels, attention backend, activation checkpointing, compile and the optimizer
@@ -147,6 +159,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         clean_first_frame: bool = False,
         validation_sigmas: Sequence[float] = VALIDATION_SIGMAS,
         seed: int = 0,
+        generation: VideoGenerationConfig | dict[str, Any] | None = None,
         optimizer: OptimizerConfig | dict[str, Any] | None = None,
         scheduler: SchedulerConfig | dict[str, Any] | None = None,
         performance: PerformanceConfig | dict[str, Any] | None = None,
@@ -155,6 +168,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         if config is None and pretrained is None:
             raise ValueError("give the DiT's config (a preset, fields or a directory), pretrained, or both")
         self.flow_config: FlowMatchingConfig = _as(FlowMatchingConfig, flow_matching)
+        self.generation_config: VideoGenerationConfig = _as(VideoGenerationConfig, generation)
         self.optimizer_config: OptimizerConfig = _as(OptimizerConfig, optimizer)
         self.scheduler_config: SchedulerConfig = _as(SchedulerConfig, scheduler)
         self.performance: PerformanceConfig = _as(PerformanceConfig, performance)
@@ -193,6 +207,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
                 "clean_first_frame": clean_first_frame,
                 "validation_sigmas": list(self.validation_sigmas),
                 "seed": seed,
+                "generation": dataclasses.asdict(self.generation_config),
                 "optimizer": dataclasses.asdict(self.optimizer_config),
                 "scheduler": dataclasses.asdict(self.scheduler_config),
                 "performance": self.performance.to_dict(),
@@ -419,7 +434,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         guidance: float = 5.0,
         shift: float | None = None,
         negative: Tensor | None = None,
-        seed: int = 0,
+        seed: int | Sequence[int] = 0,
         decode: bool = True,
     ) -> Tensor:
         """Videos from prompts (or their embeddings ``[B, L, D]``) with the Euler sampler and classifier-free
@@ -434,7 +449,8 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             guidance: CFG scale (1: no guidance).
             shift: the schedule's shift (default: ``flow_matching.shift``).
             negative: the negative prompt's embeddings ``[B or 1, L, D]`` (default: the empty prompt's).
-            seed: seeds the starting noise.
+            seed: seeds the starting noise: one seed for the batch's noise, or one per prompt (each video's noise
+                from its own generator, so a prompt's video does not depend on the batch it is in).
             decode: decode with the VAE when configured; otherwise (or ``False``) return the latents.
 
         Returns:
@@ -455,8 +471,13 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             raise ValueError(
                 f"{num_frames} frames of {height}x{width}: need 1 + {temporal}k frames and sides divisible by {spatial}"
             )
-        shape = (text.shape[0], self.config.in_channels, 1 + (num_frames - 1) // temporal, height // spatial)
-        noise = torch.randn((*shape, width // spatial), generator=torch.Generator().manual_seed(seed))
+        shape = (
+            self.config.in_channels,
+            1 + (num_frames - 1) // temporal,
+            height // spatial,
+            width // spatial,
+        )
+        noise = starting_noise(shape, text.shape[0], seed)
         latents = sample_euler(
             lambda x, t, txt: self.dit(x, t, txt),
             noise.to(self.device, dtype),
@@ -468,9 +489,34 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             num_train_timesteps=self.flow_config.num_train_timesteps,
             patch_size=self.config.patch_size,
         )
-        if decode and self.encoder_paths["vae"] is not None:
-            return self.frozen("vae").decode(latents)
+        if decode and self.decodes_video:
+            return self.decode_latents(latents)
         return latents
+
+    @property
+    def decodes_video(self) -> bool:
+        """Whether :meth:`decode_latents` can run: a ``vae`` is configured (the DiT's latents are not pixels)."""
+        return self.encoder_paths["vae"] is not None
+
+    def decode_latents(self, latents_BCFHW: Tensor) -> Tensor:
+        """The video ``[B, 3, F, H, W]`` in ``[-1, 1]`` of normalised latents, decoded by the configured VAE."""
+        return self.frozen("vae").decode(latents_BCFHW)
+
+    @override
+    def predict_step(self, batch: Mapping[str, Any], batch_idx: int) -> Tensor:
+        """The videos ``[B, 3, F, H, W]`` in ``[-1, 1]`` (the latents without a ``vae``) of a batch of ``prompt`` s,
+        each from the noise of its ``seed``, with the ``generation`` settings."""
+        g = self.generation_config
+        return self.generate(
+            list(batch["prompt"]),
+            num_frames=g.num_frames,
+            height=g.height,
+            width=g.width,
+            steps=g.num_inference_steps,
+            guidance=g.guidance_scale,
+            shift=g.shift,
+            seed=[int(s) for s in batch["seed"]],
+        )
 
     # ----- optimisation and bookkeeping ------------------------------------------------------------------------
     @override

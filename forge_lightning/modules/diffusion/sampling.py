@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Protocol
 
 import numpy as np
@@ -24,6 +25,34 @@ class Denoiser(Protocol):
     of the latents' shape. A Wan DiT wrapped in a small function fits."""
 
     def __call__(self, latents: Tensor, timestep: Tensor, text: Tensor) -> Tensor: ...
+
+
+@dataclasses.dataclass(kw_only=True)
+class VideoGenerationConfig:
+    """What ``predict`` generates per prompt (the defaults are Wan 2.1 T2V's: 81 frames of 480 x 832).
+
+    Args:
+        num_frames: video frames (``1 + 4k`` for the Wan VAE).
+        height: video height in pixels.
+        width: video width in pixels.
+        num_inference_steps: Euler steps.
+        guidance_scale: classifier-free guidance scale (1: no guidance, one forward per step).
+        shift: the schedule's shift (``None``: the module's ``flow_matching.shift``).
+    """
+
+    num_frames: int = 81
+    height: int = 480
+    width: int = 832
+    num_inference_steps: int = 50
+    guidance_scale: float = 5.0
+    shift: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("num_frames", "height", "width", "num_inference_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} ({getattr(self, name)}) must be at least 1")
+        if self.shift is not None and not self.shift > 0:
+            raise ValueError(f"shift ({self.shift}) must be positive (1 disables the shift)")
 
 
 def flow_match_sigmas(num_inference_steps: int, shift: float, num_train_timesteps: int = 1000) -> Tensor:
