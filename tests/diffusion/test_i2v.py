@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import html
 import json
+from pathlib import Path
 
 import lightning.pytorch as pl
 import numpy as np
@@ -40,6 +41,7 @@ from transformers import (
     UMT5EncoderModel,
 )
 
+from forge_lightning.cli import ForgeCLI
 from forge_lightning.datamodules.diffusion import VideoCaptionConfig, VideoDiffusionDataModule, run_precompute
 from forge_lightning.modules.diffusion import WanDiffusionModule, WanImageEncoder, WanVAE
 from forge_lightning.sim.video import write_video
@@ -48,6 +50,7 @@ WORDS = ["<pad>", "<unk>", "</s>", "a", "red", "blue", "clip", "of", "the", "sea
 CAPTIONS = ["a red clip", "a blue clip", "the sea", "the sky"]
 # 4 latent channels: in_channels 4 (noise) + 4 (first-frame mask) + 4 (condition); CLIP width 16, model width 24
 I2V_DIT = {"preset": "debug", "in_channels": 12, "out_channels": 4, "image_dim": 16, "added_kv_proj_dim": 24}
+RECIPE = Path(__file__).resolve().parents[2] / "configs" / "diffusion" / "debug" / "i2v_cache.yaml"
 
 
 def _write_checkpoint(root) -> None:
@@ -246,34 +249,43 @@ def _fit(module: WanDiffusionModule, datamodule, steps: int) -> list[float]:
 
 
 def test_i2v_training_from_the_cache_equals_training_online(case):
+    """The debug recipe (``configs/diffusion/debug/i2v_cache.yaml``, built by the CLI and pointed at the case's
+    cache, with text dropout) against the same module fed videos and captions encoded online."""
     wan, root = case["wan"], case["root"]
-    torch.manual_seed(1)
-    online = WanDiffusionModule(
-        config=I2V_DIT, flow_matching={"shift": 3.0, "text_dropout": 0.3}, vae=str(wan), text_encoder=str(wan),
-        image_encoder=str(wan), text_encoder_dtype="float32", text_max_length=8,
-        optimizer={"name": "adamw", "lr": 1e-3}, scheduler={"name": "constant"},
+    flow = {"shift": 3.0, "text_dropout": 0.3}
+    cli = ForgeCLI(
+        args=[
+            "--config", str(RECIPE),
+            "--data.init_args.cache", str(root / "features"),
+            "--data.init_args.cache_config", str(root / "precompute.yaml"),
+            "--data.init_args.seed", "1",
+            "--model.init_args.flow_matching", json.dumps(flow),
+            "--model.init_args.text_encoder", str(wan),  # the empty prompt of text dropout only
+            "--model.init_args.text_encoder_dtype", "float32",
+            "--model.init_args.text_max_length", "8",
+        ],
+        run=False,
     )  # fmt: skip
-    cached = copy.deepcopy(online)
-    cached.encoder_paths = {
-        "vae": None,
-        "text_encoder": str(wan),
-        "image_encoder": None,
-    }  # the empty prompt only
+    cached, cache = cli.model, cli.datamodule
+    recipe = yaml.safe_load(RECIPE.read_text())
+    assert cached.config == WanDiffusionModule(config=recipe["model"]["init_args"]["config"]).config
+    online = WanDiffusionModule(
+        config=I2V_DIT, flow_matching=flow, vae=str(wan), text_encoder=str(wan), image_encoder=str(wan),
+        text_encoder_dtype="float32", text_max_length=8, optimizer={"name": "adamw", "lr": 1e-3},
+        scheduler={"name": "constant"},
+    )  # fmt: skip
+    online.dit.load_state_dict(cached.dit.state_dict())
+    initial = copy.deepcopy(online.dit.state_dict())
     options = dict(batch_size=2, num_workers=0, pin_memory=False, seed=1)
     losses_online = _fit(online, VideoDiffusionDataModule(VideoCaptionConfig(**case["data"]), **options), 2)
-    cache = VideoDiffusionDataModule(
-        cache=str(root / "features"), cache_config=str(root / "precompute.yaml"), **options
-    )
     losses_cached = _fit(cached, cache, 2)
     assert len(losses_online) == 2 and losses_online[0] != losses_online[1]
     np.testing.assert_allclose(losses_cached, losses_online, rtol=0, atol=1e-6)
     for (name, a), b in zip(online.dit.state_dict().items(), cached.dit.state_dict().values(), strict=True):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
     # the image branch and the condition channels of the patch embedding were trained
-    torch.manual_seed(1)
-    initial = WanDiffusionModule(config=I2V_DIT)
     for name in ("patch_embedding.weight", "blocks.0.attn2.add_k_proj.weight"):
-        assert not torch.equal(online.dit.state_dict()[name], initial.dit.state_dict()[name]), name
+        assert not torch.equal(online.dit.state_dict()[name], initial[name]), name
 
 
 def test_i2v_refusals(case):
