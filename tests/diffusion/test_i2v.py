@@ -6,7 +6,8 @@ fp32:
   image embeddings its ``encode_image``'s;
 * ``WanDiffusionModule.generate(image=...)`` equals the pipeline's output latents for the same transformer weights
   and noise (2 steps, CFG; 512 text tokens, which diffusers' I2V attention assumes);
-* one I2V training step from a ``forge-data precompute`` cache equals the same step with the encoders online;
+* I2V training steps from a ``forge-data precompute`` cache (the debug recipe) equal the same steps with the
+  encoders online; the fixed-sigma validation loss reads the condition and the image embeddings;
 * the refusals name the missing option.
 """
 
@@ -286,6 +287,23 @@ def test_i2v_training_from_the_cache_equals_training_online(case):
     # the image branch and the condition channels of the patch embedding were trained
     for name in ("patch_embedding.weight", "blocks.0.attn2.add_k_proj.weight"):
         assert not torch.equal(online.dit.state_dict()[name], initial[name]), name
+
+
+def test_fixed_sigma_losses_read_the_condition_and_the_image():
+    module = _perturbed(WanDiffusionModule(config=I2V_DIT))
+    g = torch.Generator().manual_seed(5)
+    batch = {
+        "latents": torch.randn(2, 4, 3, 2, 2, generator=g),
+        "text_embeddings": torch.randn(2, 5, 16, generator=g),
+        "condition_latents": torch.randn(2, 8, 3, 2, 2, generator=g),
+        "image_embeddings": torch.randn(2, 17, 16, generator=g),
+    }
+    losses = module.fixed_sigma_losses(batch)
+    assert losses.shape == (len(module.validation_sigmas), 2)
+    torch.testing.assert_close(module.fixed_sigma_losses(batch), losses, rtol=0, atol=0)
+    for key in ("condition_latents", "image_embeddings"):
+        other = module.fixed_sigma_losses({**batch, key: torch.zeros_like(batch[key])})
+        assert not torch.allclose(other, losses), key
 
 
 def test_i2v_refusals(case):
