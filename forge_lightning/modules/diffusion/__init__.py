@@ -26,7 +26,9 @@ _EXPORTS = {
     "flow_match_sigmas": "sampling",
     "sample_euler": "sampling",
     "VideoGenerationConfig": "sampling",
+    "WanImageEncoder": "encoders",
     "WanTextEncoder": "encoders",
+    "first_frame_condition_mask": "encoders",
     "WanVAE": "encoders",
     "WanDiffusionModule": "module",
     "sample_generator": "module",
@@ -44,8 +46,10 @@ __all__ = [
     "WanDiT",
     "WanDiTConfig",
     "WanDiffusionModule",
+    "WanImageEncoder",
     "WanTextEncoder",
     "WanVAE",
+    "first_frame_condition_mask",
     "flow_match_sigmas",
     "load_pretrained",
     "preset",
@@ -55,7 +59,12 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from forge_lightning.modules.diffusion.encoders import WanTextEncoder, WanVAE
+    from forge_lightning.modules.diffusion.encoders import (
+        WanImageEncoder,
+        WanTextEncoder,
+        WanVAE,
+        first_frame_condition_mask,
+    )
     from forge_lightning.modules.diffusion.flow_matching import (
         FlowMatching,
         FlowMatchingConfig,

@@ -1,5 +1,6 @@
-"""The frozen encoders of Wan video diffusion: the Wan VAE (diffusers' ``AutoencoderKLWan``) and the UMT5 text
-encoder (transformers' ``UMT5EncoderModel``), loaded from a user's Hugging Face-format directories.
+"""The frozen encoders of Wan video diffusion: the Wan VAE (diffusers' ``AutoencoderKLWan``), the UMT5 text
+encoder (transformers' ``UMT5EncoderModel``) and, for Wan 2.1 image-to-video, the CLIP image encoder (transformers'
+``CLIPVisionModel``), loaded from a user's Hugging Face-format directories.
 
 Both wrappers stay in eval mode with gradients off (``.train()`` keeps them in eval) and compute what the Wan
 pipelines compute::
@@ -7,6 +8,8 @@ pipelines compute::
     video [B, 3, F, H, W] in [-1, 1] ── AutoencoderKLWan.encode ── (mode - latents_mean) / latents_std ── latents
     latents ── * latents_std + latents_mean ── AutoencoderKLWan.decode ── video in [-1, 1]
     prompts ── clean ── tokenize (pad / truncate to 512) ── UMT5 ── zeros after each prompt's tokens ── [B, 512, D]
+    first frame [B, 3, H, W] ── CLIPImageProcessor ── CLIPVisionModel ── penultimate hidden states ── [B, N, E]
+    first frame, zeros for frames 1.. ── VAE encode, normalise ── [first-frame mask (4), condition latents (C)]
 """
 
 from __future__ import annotations
@@ -155,6 +158,32 @@ class WanVAE(_Frozen):
         return (latents.float() - self.latents_mean) * self.inv_latents_std
 
     @torch.no_grad()
+    def image_condition(self, image_B3HW: Tensor, num_frames: int) -> Tensor:
+        """Wan 2.1 I2V's condition ``[B, t + z_dim, f, H / s, W / s]`` (fp32; ``t`` = the temporal factor, 4) of
+        a first frame in ``[-1, 1]`` for a video of ``num_frames`` frames, as ``WanImageToVideoPipeline.
+        prepare_latents`` builds it: the first-frame mask (:func:`first_frame_condition_mask`) and the normalised
+        latents of the video ``[image, zeros, ...]``.
+
+        Args:
+            image_B3HW: the first frames.
+            num_frames: the video's frame count (``1 + 4k``).
+        """
+        if image_B3HW.ndim != 4 or image_B3HW.shape[1] != 3:
+            raise ValueError(f"image must be [B, 3, H, W] in [-1, 1], got shape {tuple(image_B3HW.shape)}")
+        B, _, H, W = image_B3HW.shape
+        video_B3FHW = torch.cat(
+            [image_B3HW[:, :, None], image_B3HW.new_zeros(B, 3, num_frames - 1, H, W)], dim=2
+        )
+        latents = self.encode(video_B3FHW)
+        mask = first_frame_condition_mask(latents, self.scale_factor_temporal)
+        return torch.cat([mask, latents], dim=1)
+
+    def video_condition(self, video_BCFHW: Tensor) -> Tensor:
+        """:meth:`image_condition` of a training video's first frame (for the feature cache and online batches)."""
+        self._check_video(video_BCFHW)
+        return self.image_condition(video_BCFHW[:, :, 0], video_BCFHW.shape[2])
+
+    @torch.no_grad()
     def decode(self, latents_BCFHW: Tensor) -> Tensor:
         """The video ``[B, 3, F, H, W]`` in ``[-1, 1]`` (fp32) of normalised latents."""
         if latents_BCFHW.ndim != 5 or latents_BCFHW.shape[1] != self.z_dim:
@@ -165,6 +194,19 @@ class WanVAE(_Frozen):
             latents_BCFHW.to(self.latents_mean.device).float() / self.inv_latents_std + self.latents_mean
         )
         return self.vae.decode(latents.to(self.dtype), return_dict=False)[0].float()
+
+
+def first_frame_condition_mask(latents_BCFHW: Tensor, scale_factor_temporal: int) -> Tensor:
+    """Wan 2.1 I2V's first-frame mask ``[B, t, f, h, w]`` (``t = scale_factor_temporal``) for latents of ``f``
+    frames: a per-video-frame mask (1 on frame 0, 0 on frames 1 .. 4 (f - 1)) with frame 0 repeated ``t`` times,
+    then folded into ``t`` channels, so latent frame 0 is all ones and the others zeros."""
+    B, _, f, h, w = latents_BCFHW.shape
+    t = scale_factor_temporal
+    mask_B1Vhw = latents_BCFHW.new_zeros(
+        B, 1, t * f, h, w
+    )  # V = t + t (f - 1) video frames, frame 0 repeated
+    mask_B1Vhw[:, :, :t] = 1
+    return mask_B1Vhw.view(B, f, t, h, w).transpose(1, 2)
 
 
 def clean_prompt(text: str) -> str:
@@ -266,3 +308,79 @@ class WanTextEncoder(_Frozen):
 
     def forward(self, prompts: str | list[str]) -> Tensor:
         return self.encode(prompts)
+
+
+class WanImageEncoder(_Frozen):
+    """The frozen CLIP image encoder of Wan 2.1 I2V: ``CLIPImageProcessor`` then ``CLIPVisionModel``, whose
+    penultimate hidden states ``[B, N, E]`` (Wan 2.1 I2V: 257 tokens of 1280) the DiT's image branch reads, as
+    ``WanImageToVideoPipeline.encode_image``.
+
+    Args:
+        encoder: a transformers ``CLIPVisionModel``.
+        processor: its ``CLIPImageProcessor``.
+    """
+
+    def __init__(self, encoder: nn.Module, processor: Any) -> None:
+        super().__init__()
+        self.encoder = encoder
+        self.processor = processor
+        self.freeze()
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, *, dtype: torch.dtype = torch.float32) -> WanImageEncoder:
+        """Load ``CLIPVisionModel`` and ``CLIPImageProcessor`` from ``path``: a Wan I2V diffusers checkpoint's
+        root (with ``image_encoder/`` and ``image_processor/``) or one folder holding both.
+
+        Args:
+            path: the directory.
+            dtype: the encoder's parameter dtype (the Wan I2V pipelines use fp32).
+        """
+        from transformers import CLIPImageProcessor, CLIPVisionModel
+
+        directory = _component_dir(path, "image_encoder", "Wan image encoder")
+        config = _read_config(directory)
+        if config.get("model_type") not in ("clip_vision_model", "clip"):
+            raise ValueError(
+                f"{directory / 'config.json'} describes model_type {config.get('model_type')!r}, not "
+                "'clip_vision_model'; pass the `image_encoder` folder of a Wan I2V diffusers checkpoint"
+            )
+        processor_dir = Path(path) / "image_processor"
+        if not (processor_dir / "preprocessor_config.json").is_file():
+            processor_dir = directory
+        if not (processor_dir / "preprocessor_config.json").is_file():
+            raise FileNotFoundError(
+                f"no preprocessor_config.json in {processor_dir}: put the CLIPImageProcessor in an "
+                "`image_processor` folder beside `image_encoder` or in the encoder's folder"
+            )
+        processor = CLIPImageProcessor.from_pretrained(processor_dir)
+        return cls(CLIPVisionModel.from_pretrained(directory, dtype=dtype), processor)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.encoder.parameters()).dtype
+
+    @torch.no_grad()
+    def encode(self, images: Tensor | Any) -> Tensor:
+        """Image embeddings ``[B, N, E]`` (the penultimate hidden states) of images: a tensor ``[B, 3, H, W]`` in
+        ``[-1, 1]`` (rounded to 8-bit RGB, what a decoded frame or a PIL image holds), or what the processor
+        takes (PIL images)."""
+        if isinstance(images, Tensor):
+            if images.ndim != 4 or images.shape[1] != 3:
+                raise ValueError(f"images must be [B, 3, H, W] in [-1, 1], got shape {tuple(images.shape)}")
+            rgb_BHW3 = ((images.float().cpu() + 1) * 127.5).round().clamp(0, 255).to(torch.uint8)
+            images = list(rgb_BHW3.permute(0, 2, 3, 1).numpy())
+        device = next(self.encoder.parameters()).device
+        pixels = self.processor(images=images, return_tensors="pt").pixel_values
+        out = self.encoder(pixel_values=pixels.to(device, self.dtype), output_hidden_states=True)
+        return out.hidden_states[-2]
+
+    def encode_first_frame(self, video_BCFHW: Tensor) -> Tensor:
+        """:meth:`encode` of each video's first frame (for the feature cache and online batches)."""
+        if video_BCFHW.ndim != 5 or video_BCFHW.shape[1] != 3:
+            raise ValueError(
+                f"video must be [B, 3, F, H, W] in [-1, 1], got shape {tuple(video_BCFHW.shape)}"
+            )
+        return self.encode(video_BCFHW[:, :, 0])
+
+    def forward(self, images: Tensor | Any) -> Tensor:
+        return self.encode(images)

@@ -20,6 +20,15 @@ global batch), so a run is reproducible and a sample gets the same draws whateve
         flow_matching: {timestep_sampling: logit_normal, shift: 3.0, text_dropout: 0.1}
         text_encoder: Wan2.1-T2V-1.3B-Diffusers               # for online batches, text dropout and generate
         vae: Wan2.1-T2V-1.3B-Diffusers
+
+Wan 2.1 image-to-video (a DiT whose ``in_channels`` are ``2 * out_channels + 4``): only the video latents are
+noised; the first-frame mask and condition latents (``condition_latents``, :meth:`WanVAE.image_condition`) are
+concatenated to ``x_t`` along the channels, and the CLIP ``image_embeddings`` go to the DiT's image branch (when
+the DiT has ``image_dim``); both come from the cache or from the first frame of ``video`` (``vae``,
+``image_encoder``). The loss is on the ``out_channels`` prediction::
+
+    x_t [B, C] ─┬─ cat ─ WanDiT(·, timestep, text, image_embeddings) ─ velocity [B, C] ─ loss
+    condition_latents [B, 4 + C] ─┘
 """
 
 from __future__ import annotations
@@ -132,6 +141,9 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             ``text_embeddings``, for text dropout without a text encoder (cached features).
         clean_first_frame: Wan 2.2 TI2V image-to-video training: the first latent frame stays clean (timestep 0,
             no loss).
+        image_encoder: a CLIP image encoder directory (``image_encoder`` / ``image_processor`` of a Wan 2.1 I2V
+            diffusers checkpoint, or its root) for the image embeddings of an I2V DiT (one with ``image_dim``)
+            from online ``video`` batches and the image in :meth:`generate`.
         validation_sigmas: the fixed noise levels of the validation loss.
         seed: seed of the per-sample noise, noise levels and text dropout.
         generation: what ``predict`` generates per prompt (:class:`VideoGenerationConfig`: frames, size, steps,
@@ -157,6 +169,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         text_max_length: int = 512,
         empty_text_embedding: str | None = None,
         clean_first_frame: bool = False,
+        image_encoder: str | None = None,
         validation_sigmas: Sequence[float] = VALIDATION_SIGMAS,
         seed: int = 0,
         generation: VideoGenerationConfig | dict[str, Any] | None = None,
@@ -186,9 +199,11 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         self.config: WanDiTConfig = self.dit.config
         self.flow = FlowMatching(self.flow_config)
         self.clean_first_frame = clean_first_frame
+        self.image_to_video = self.config.in_channels != self.config.out_channels
+        self._check_image_to_video(image_encoder)
         self.validation_sigmas = tuple(float(s) for s in validation_sigmas)
         self.seed = seed
-        self.encoder_paths = {"vae": vae, "text_encoder": text_encoder}
+        self.encoder_paths = {"vae": vae, "text_encoder": text_encoder, "image_encoder": image_encoder}
         self.text_encoder_dtype, self.text_max_length = text_encoder_dtype, text_max_length
         self.empty_text_path = empty_text_embedding
         # The frozen encoders and the empty prompt's embedding stay outside the module tree: no checkpoint, optimizer
@@ -205,6 +220,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
                 "text_max_length": text_max_length,
                 "empty_text_embedding": empty_text_embedding,
                 "clean_first_frame": clean_first_frame,
+                "image_encoder": image_encoder,
                 "validation_sigmas": list(self.validation_sigmas),
                 "seed": seed,
                 "generation": dataclasses.asdict(self.generation_config),
@@ -227,10 +243,28 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             )
         return model
 
+    def _check_image_to_video(self, image_encoder: str | None) -> None:
+        config = self.config
+        if self.image_to_video and config.in_channels != 2 * config.out_channels + 4:
+            raise ValueError(
+                f"the DiT's in_channels ({config.in_channels}) differ from out_channels ({config.out_channels}) but "
+                f"are not 2 * out_channels + 4 ({2 * config.out_channels + 4}), the Wan 2.1 I2V layout (noise, "
+                "first-frame mask, condition latents)"
+            )
+        if self.image_to_video and self.clean_first_frame:
+            raise ValueError(
+                "clean_first_frame is Wan 2.2 TI2V's image conditioning; this DiT is a Wan 2.1 I2V one (in_channels "
+                f"{config.in_channels} = 2 * out_channels + 4), conditioned through its channels: leave it false"
+            )
+        if image_encoder is not None and config.image_dim is None:
+            raise ValueError(
+                f"image_encoder ({image_encoder}) is set but the DiT has no image branch (image_dim is None)"
+            )
+
     # ----- frozen encoders ----------------------------------------------------------------------------------------
     def frozen(self, name: str) -> nn.Module:
-        """The frozen ``vae`` (:class:`WanVAE`) or ``text_encoder`` (:class:`WanTextEncoder`), loaded on first use
-        and kept on the module's device."""
+        """The frozen ``vae`` (:class:`WanVAE`), ``text_encoder`` (:class:`WanTextEncoder`) or ``image_encoder``
+        (:class:`WanImageEncoder`), loaded on first use and kept on the module's device."""
         if self.encoder_paths[name] is None:
             raise ValueError(
                 f"this batch or call needs the {name}: configure model.init_args.{name} (its directory), or train "
@@ -238,11 +272,13 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             )
         module = self._frozen.get(name)
         if module is None:
-            from forge_lightning.modules.diffusion.encoders import WanTextEncoder, WanVAE
+            from forge_lightning.modules.diffusion.encoders import WanImageEncoder, WanTextEncoder, WanVAE
 
             path = self.encoder_paths[name]
             if name == "vae":
-                module = WanVAE.from_pretrained(path, z_dim=self.config.in_channels)
+                module = WanVAE.from_pretrained(path, z_dim=self.config.out_channels)
+            elif name == "image_encoder":
+                module = WanImageEncoder.from_pretrained(path)
             else:
                 dtype = getattr(torch, self.text_encoder_dtype)
                 module = WanTextEncoder.from_pretrained(path, dtype=dtype, max_length=self.text_max_length)
@@ -281,6 +317,54 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             text = self.frozen("text_encoder").encode(list(batch["caption"]))
         dtype = self.dit.patch_embedding.weight.dtype
         return latents.to(self.device, dtype), text.to(self.device, dtype)
+
+    @torch.no_grad()
+    def image_inputs(self, batch: Mapping[str, Any]) -> tuple[Tensor | None, Tensor | None]:
+        """Wan 2.1 I2V's conditions of a batch: the mask + condition latents ``[B, 4 + C, F, H, W]`` and (for a DiT
+        with ``image_dim``) the image embeddings ``[B, N, image_dim]``, cached (``condition_latents``,
+        ``image_embeddings``) or computed from the first frame of ``video``; ``(None, None)`` for other DiTs."""
+        if not self.image_to_video:
+            return None, None
+        dtype = self.dit.patch_embedding.weight.dtype
+        condition = batch.get("condition_latents")
+        if condition is None:
+            if "video" not in batch:
+                raise ValueError(
+                    f"this I2V DiT needs condition_latents (cached with WanVAE.video_condition) or video; the batch "
+                    f"has {sorted(batch)}"
+                )
+            condition = self.frozen("vae").video_condition(batch["video"])
+        image = None
+        if self.config.image_dim is not None:
+            image = batch.get("image_embeddings")
+            if image is None:
+                if "video" not in batch:
+                    raise ValueError(
+                        f"this I2V DiT (image_dim {self.config.image_dim}) needs image_embeddings (cached with "
+                        f"WanImageEncoder.encode_first_frame) or video; the batch has {sorted(batch)}"
+                    )
+                image = self._image_encoder().encode_first_frame(batch["video"])
+            image = image.to(self.device, dtype)
+        return condition.to(self.device, dtype), image
+
+    def _image_encoder(self) -> nn.Module:
+        if self.encoder_paths["image_encoder"] is None:
+            raise ValueError(
+                f"this I2V DiT (image_dim {self.config.image_dim}) needs the CLIP image embeddings of the first "
+                "frame: configure model.init_args.image_encoder (the image_encoder folder of a Wan 2.1 I2V "
+                "checkpoint), or train from a feature cache that holds image_embeddings"
+            )
+        return self.frozen("image_encoder")
+
+    def velocity(
+        self, x_t: Tensor, timestep: Tensor, text: Tensor, image_inputs: tuple[Tensor | None, Tensor | None]
+    ) -> Tensor:
+        """The DiT's prediction ``[B, out_channels, F, H, W]``; for I2V with the condition channels concatenated
+        to ``x_t`` and the image embeddings passed (:meth:`image_inputs`)."""
+        condition, image = image_inputs
+        if condition is not None:
+            x_t = torch.cat([x_t, condition.to(x_t.dtype)], dim=1)
+        return self.dit(x_t, timestep, text, image)
 
     # ----- construction and interchange -----------------------------------------------------------------------
     @classmethod
@@ -355,7 +439,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
     def loss_sum(self, batch: Mapping[str, Any], batch_idx: int = 0) -> tuple[Tensor, Tensor]:
         """(sum of the per-sample flow-matching losses, number of samples) of a micro-batch."""
         sample, text = self.prepare(batch, batch_idx)
-        pred = self.dit(sample.x_t, sample.timestep, text)
+        pred = self.velocity(sample.x_t, sample.timestep, text, self.image_inputs(batch))
         loss_B = self.flow.loss(pred, sample)
         return loss_B.sum(), torch.tensor(loss_B.shape[0], device=loss_B.device)
 
@@ -384,7 +468,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
                 for key in keys
             ]
         ).to(x0.device, x0.dtype)
-        losses = []
+        losses, image_inputs = [], self.image_inputs(batch)
         for sigma in self.validation_sigmas:
             sigma_B = torch.full((x0.shape[0],), sigma, device=x0.device)
             x_t, timestep, mask = add_noise(x0, noise, sigma_B), dit_timesteps(sigma_B), None
@@ -394,7 +478,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
                 timestep = per_token_timesteps(timestep, mask, self.config.patch_size)
             weight = loss_weights(self.flow_config, sigma_B)
             sample = FlowMatchingSample(x_t, velocity_target(x0, noise), sigma_B, timestep, weight, mask)
-            losses.append(self.flow.loss(self.dit(x_t, timestep, text), sample))
+            losses.append(self.flow.loss(self.velocity(x_t, timestep, text, image_inputs), sample))
         return torch.stack(losses)
 
     def _eval_step(self, batch: dict[str, Any], batch_idx: int = 0) -> None:
@@ -436,9 +520,11 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         negative: Tensor | None = None,
         seed: int | Sequence[int] = 0,
         decode: bool = True,
+        image: Tensor | None = None,
     ) -> Tensor:
         """Videos from prompts (or their embeddings ``[B, L, D]``) with the Euler sampler and classifier-free
-        guidance.
+        guidance; for a Wan 2.1 I2V DiT, from a first frame too (its condition latents and image embeddings held
+        fixed and given to both guidance branches, as ``WanImageToVideoPipeline``).
 
         Args:
             prompts: prompts (needs ``text_encoder``) or text embeddings.
@@ -452,6 +538,8 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             seed: seeds the starting noise: one seed for the batch's noise, or one per prompt (each video's noise
                 from its own generator, so a prompt's video does not depend on the batch it is in).
             decode: decode with the VAE when configured; otherwise (or ``False``) return the latents.
+            image: I2V: the first frame ``[B or 1, 3, height, width]`` in ``[-1, 1]`` (needs ``vae``, and
+                ``image_encoder`` when the DiT has ``image_dim``).
 
         Returns:
             The video ``[B, 3, F, H, W]`` in ``[-1, 1]``, or the latents ``[B, C, f, h, w]``.
@@ -472,14 +560,15 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
                 f"{num_frames} frames of {height}x{width}: need 1 + {temporal}k frames and sides divisible by {spatial}"
             )
         shape = (
-            self.config.in_channels,
+            self.config.out_channels,
             1 + (num_frames - 1) // temporal,
             height // spatial,
             width // spatial,
         )
         noise = starting_noise(shape, text.shape[0], seed)
+        image_inputs = self._generation_image_inputs(image, text.shape[0], num_frames, height, width)
         latents = sample_euler(
-            lambda x, t, txt: self.dit(x, t, txt),
+            lambda x, t, txt: self.velocity(x, t, txt, image_inputs),
             noise.to(self.device, dtype),
             text,
             num_inference_steps=steps,
@@ -517,6 +606,35 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             shift=g.shift,
             seed=[int(s) for s in batch["seed"]],
         )
+
+    def _generation_image_inputs(
+        self, image: Tensor | None, batch: int, num_frames: int, height: int, width: int
+    ) -> tuple[Tensor | None, Tensor | None]:
+        """:meth:`image_inputs` of :meth:`generate`'s first frame (one per video, or one for all)."""
+        if not self.image_to_video:
+            if image is not None:
+                raise ValueError(
+                    "image is for a Wan 2.1 I2V DiT (in_channels = 2 * out_channels + 4); this one is not"
+                )
+            return None, None
+        if image is None:
+            raise ValueError(
+                "this I2V DiT generates from a first frame: pass image [B, 3, height, width] in [-1, 1]"
+            )
+        image = image[None] if image.ndim == 3 else image
+        if image.ndim != 4 or image.shape[1] != 3 or tuple(image.shape[2:]) != (height, width):
+            raise ValueError(
+                f"image must be [B or 1, 3, {height}, {width}] in [-1, 1], got {tuple(image.shape)}"
+            )
+        if image.shape[0] not in (1, batch):
+            raise ValueError(f"{image.shape[0]} images for {batch} prompts: give one image or one per prompt")
+        dtype = self.dit.patch_embedding.weight.dtype
+        condition = self.frozen("vae").image_condition(image, num_frames).to(self.device, dtype)
+        embeddings = None
+        if self.config.image_dim is not None:
+            embeddings = self._image_encoder().encode(image).to(self.device, dtype)
+            embeddings = embeddings.expand(batch, -1, -1)
+        return condition.expand(batch, -1, -1, -1, -1), embeddings
 
     # ----- optimisation and bookkeeping ------------------------------------------------------------------------
     @override
