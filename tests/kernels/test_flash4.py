@@ -19,17 +19,10 @@ from forge_lightning.kernels import flash4
 from forge_lightning.performance import PerformanceConfig, resolve
 from forge_lightning.performance.config import DEFAULT_SELECTIVE_SAVE
 from forge_lightning.performance.transforms import _selective_context
-from tests.kernels.conftest import TOLERANCE
 
 attn = importlib.import_module(
     "forge_lightning.modules.layers.attention"
 )  # the package exports `attention()`
-
-
-def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    """bf16 results within conftest's tolerance: max |got - want| / max |want|."""
-    error = ((got.float() - want.float()).abs().max() / want.float().abs().max()).item()
-    assert error <= TOLERANCE[torch.bfloat16], f"relative error {error:.3g}"
 
 
 def _per_sequence(fn, q, k, v, causal, cu_seqlens, *rest):
@@ -127,27 +120,29 @@ def _grads(fn, q, k, v):
 
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("kv_heads", [4, 2, 1])
-def test_dense_attention_on_fa4_matches_sdpa(fa4: StandIn, causal: bool, kv_heads: int) -> None:
+def test_dense_attention_on_fa4_matches_sdpa(fa4: StandIn, causal: bool, kv_heads: int, assert_close) -> None:
     q, k, v = _qkv(K=kv_heads)
     expected, expected_grads = _grads(lambda *t: attn.attention(*t, causal=causal), q, k, v)
     attn.set_attention_kernel("fa4")
     out, grads = _grads(lambda *t: attn.attention(*t, causal=causal), q, k, v)
     assert (fa4.forwards, fa4.backwards) == (1, 1)
-    _close(out, expected)
+    assert_close(out, expected, torch.bfloat16)
     for got, want in zip(grads, expected_grads):
-        _close(got, want)
+        assert_close(got, want, torch.bfloat16)
 
 
-def test_non_causal_cross_attention_takes_fa4(fa4: StandIn) -> None:
+def test_non_causal_cross_attention_takes_fa4(fa4: StandIn, assert_close) -> None:
     q, k, v = _qkv(S=16, kv_len=40)
     expected = attn.attention(q, k, v, causal=False)
     attn.set_attention_kernel("fa4")
-    _close(attn.attention(q, k, v, causal=False), expected)
+    assert_close(attn.attention(q, k, v, causal=False), expected, torch.bfloat16)
     assert fa4.forwards == 1
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_packed_documents_on_fa4_varlen_match_the_dense_mask(fa4: StandIn, causal: bool) -> None:
+def test_packed_documents_on_fa4_varlen_match_the_dense_mask(
+    fa4: StandIn, causal: bool, assert_close
+) -> None:
     document_ids = torch.tensor([[0] * 10 + [1] * 9 + [2] * 5, [0] * 3 + [1] * 21])
     q, k, v = _qkv()
     dense = attn.DocumentMask.build(document_ids, "sdpa", causal=causal)
@@ -156,9 +151,9 @@ def test_packed_documents_on_fa4_varlen_match_the_dense_mask(fa4: StandIn, causa
     assert varlen.cu_seqlens.tolist() == [0, 10, 19, 24, 27, 48] and varlen.max_seqlen == 21
     out, grads = _grads(lambda *t: attn.attention(*t, causal=causal, documents=varlen), q, k, v)
     assert (fa4.forwards, fa4.backwards) == (1, 1)
-    _close(out, expected)
+    assert_close(out, expected, torch.bfloat16)
     for got, want in zip(grads, expected_grads):
-        _close(got, want)
+        assert_close(got, want, torch.bfloat16)
 
 
 def test_auto_packed_backend_follows_the_process_kernel(fa4: StandIn) -> None:
@@ -290,7 +285,7 @@ def test_import_error_says_how_to_install() -> None:
     assert "pip install flash-attn-4" in reason
 
 
-def test_flash4_attention_checks_its_inputs(fa4: StandIn) -> None:
+def test_flash4_attention_checks_its_inputs(fa4: StandIn, assert_close) -> None:
     q = torch.randn(2, 8, 4, 32, dtype=torch.bfloat16)
     k = torch.randn(2, 12, 4, 32, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"as many queries \(8\) as keys \(12\)"):
@@ -299,9 +294,5 @@ def test_flash4_attention_checks_its_inputs(fa4: StandIn) -> None:
         flash4.flash4_attention(q, k[:, :, :3], k[:, :, :3], causal=False)
     with pytest.raises(ValueError, match="cu_seqlens must be int32"):
         flash4.flash4_attention(q[0], q[0], q[0], causal=True, cu_seqlens=torch.tensor([0, 8]), max_seqlen=8)
-    _close(
-        flash4.flash4_attention(q, k, k, causal=False),
-        F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2)).transpose(
-            1, 2
-        ),
-    )
+    expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
+    assert_close(flash4.flash4_attention(q, k, k, causal=False), expected.transpose(1, 2), torch.bfloat16)
