@@ -97,6 +97,7 @@ def test_dense_fa4_matches_sdpa(calls, causal, B, S, H, K, D):
     actual = run(lambda *t: attn.attention(*t, causal=causal), q, k, v, upstream)
     assert calls == {"forward": 1, "backward": 1}, f"{case}: FA4 kernel calls {calls}, expected one of each"
     compare(case, actual, expected)
+    attn.set_attention_kernel("sdpa")
     exact = run(lambda *t: attn.attention(*t, causal=causal), *(t.double() for t in (q, k, v, upstream)))
     print(
         f"{case}: FA4 out vs fp64 {rel_err(actual[0], exact[0]):.2e}, SDPA vs fp64 {rel_err(expected[0], exact[0]):.2e}"
