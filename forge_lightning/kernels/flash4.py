@@ -33,7 +33,8 @@ SUPPORTED_CAPABILITIES = (9, 10)
 def import_error() -> str | None:
     """Why ``flash_attn.cute`` does not import here (``None``: it does)."""
     try:
-        import flash_attn.cute.interface  # noqa: F401
+        # The entry points FA4's own autograd.Function calls (as in 4.0.0b36, the version this wrapper follows).
+        from flash_attn.cute.interface import _flash_attn_bwd, _flash_attn_fwd  # noqa: F401
     except Exception as err:  # a broken CUDA or cutlass install fails with other errors than ImportError
         return f"flash_attn.cute does not import ({type(err).__name__}: {err}); {INSTALL_HINT}"
     return None

@@ -86,8 +86,15 @@ def random_inputs(B, S, H, K, D, S_kv=None, seed=0):
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non_causal"])
 @pytest.mark.parametrize(
     ("B", "S", "H", "K", "D"),
-    [(2, 1024, 8, 8, 128), (2, 1000, 32, 8, 64), (1, 777, 12, 12, 128), (2, 512, 16, 1, 64)],
-    ids=["mha_d128", "gqa4_d64", "odd_len_d128", "mqa_d64"],
+    [
+        (2, 1024, 8, 8, 128),
+        (2, 1000, 32, 8, 64),
+        (1, 777, 12, 12, 128),
+        (2, 512, 16, 1, 64),
+        (2, 729, 16, 16, 72),  # SigLIP so400m's heads (Pi0.5, LLaVA-style VLMs)
+        (4, 256, 16, 16, 80),  # the Qwen2.5-VL vision tower's heads
+    ],
+    ids=["mha_d128", "gqa4_d64", "odd_len_d128", "mqa_d64", "siglip_d72", "qwen_vit_d80"],
 )
 def test_dense_fa4_matches_sdpa(calls, causal, B, S, H, K, D):
     case = f"dense {'causal' if causal else 'non-causal'} B={B} S={S} H={H} K={K} D={D}"
