@@ -296,3 +296,24 @@ def test_flash4_attention_checks_its_inputs(fa4: StandIn, assert_close) -> None:
         flash4.flash4_attention(q[0], q[0], q[0], causal=True, cu_seqlens=torch.tensor([0, 8]), max_seqlen=8)
     expected = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), k.transpose(1, 2))
     assert_close(flash4.flash4_attention(q, k, k, causal=False), expected.transpose(1, 2), torch.bfloat16)
+
+
+def test_megatron_twin_refuses_fa4() -> None:
+    from types import SimpleNamespace
+
+    from forge_lightning.modules.llm.megatron.twin import DecoderTwin
+
+    def twin_with(**attention):  # `_performance` reads `build.performance` and `.recompute`
+        return SimpleNamespace(
+            build=SimpleNamespace(performance=PerformanceConfig(attention=attention), recompute=None)
+        )
+
+    with pytest.raises(
+        ValueError, match=r"performance.attention.kernel \('fa4'\) is not applied under Megatron"
+    ):
+        DecoderTwin._performance(twin_with(kernel="fa4"))
+    with pytest.raises(
+        ValueError, match=r"performance.attention.packed \('fa4'\) is not applied under Megatron"
+    ):
+        DecoderTwin._performance(twin_with(packed="fa4"))
+    assert DecoderTwin._performance(twin_with(kernel="sdpa"))[1] == "none"
