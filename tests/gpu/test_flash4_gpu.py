@@ -243,3 +243,17 @@ def test_decoder_training_step_with_apply_performance_matches_sdpa(calls):
     assert err <= TOL["loss"], f"decoder step: loss relative error {err:.3g} > {TOL['loss']}"
     for (name, p), (_, p_ref) in zip(model.named_parameters(), reference.named_parameters(), strict=True):
         check("decoder step", f"grad {name}", p.grad, p_ref.grad, TOL["model_grad"])
+
+
+def test_fp32_block_under_bf16_autocast_runs_on_fa4(calls):
+    """``bf16-mixed``: fp32 weights, queries / keys cast to bf16 for FA4 as SDPA casts them."""
+    case = "fp32 block under bf16 autocast"
+    torch.manual_seed(0)
+    block = Block().cuda()
+    x = torch.randn(2, 512, 512, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        expected = block(x)
+        attn.set_attention_kernel("fa4")
+        out = block(x)
+    assert calls["forward"] == 1, f"{case}: FA4 kernel calls {calls}, expected one forward"
+    check(case, "out", out.float(), expected.float(), TOL["out"])

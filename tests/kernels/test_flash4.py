@@ -139,6 +139,23 @@ def test_non_causal_cross_attention_takes_fa4(fa4: StandIn, assert_close) -> Non
     assert fa4.forwards == 1
 
 
+def test_autocast_inputs_reach_fa4_in_the_autocast_dtype(fa4: StandIn, assert_close) -> None:
+    """Under bf16 autocast, fp32 queries / keys (RoPE and q/k norms in fp32) go to FA4 in bf16, as SDPA's do."""
+    q, k, v = _qkv(dtype=torch.float32)
+    documents = attn.DocumentMask.build(torch.tensor([[0] * 12 + [1] * 12] * 2), "fa4")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = attn.attention(q, k, v, causal=True)
+        packed_expected = attn.attention(
+            q, k, v, causal=True, documents=attn.DocumentMask.build(documents.document_ids, "sdpa")
+        )
+        attn.set_attention_kernel("fa4")
+        out = attn.attention(q, k, v, causal=True)
+        packed = attn.attention(q, k, v, causal=True, documents=documents)
+    assert fa4.forwards == 2 and out.dtype == packed.dtype == torch.bfloat16
+    assert_close(out, expected, torch.bfloat16)
+    assert_close(packed, packed_expected.to(torch.bfloat16), torch.bfloat16)
+
+
 @pytest.mark.parametrize("causal", [True, False])
 def test_packed_documents_on_fa4_varlen_match_the_dense_mask(
     fa4: StandIn, causal: bool, assert_close

@@ -94,6 +94,16 @@ def attention_kernel() -> str:
     return _kernel.name
 
 
+def _autocast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v`` in the autocast dtype when autocast is on for their device, as SDPA casts its inputs (under
+    ``bf16-mixed`` RoPE and q/k norms leave queries and keys in fp32)."""
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
 def _fa4_refused(q: Tensor, k: Tensor, v: Tensor, chosen: bool, what: str) -> bool:
     """Whether FA4 cannot take these ``[..., heads, D]`` inputs: raise (explicit choice) or log once (``auto``)."""
     # CUDA devices were checked when the kernel was set; tensors elsewhere (a CPU evaluation) are checked here.
@@ -253,7 +263,7 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
         return _flex_kernel(q.device.type == "cuda")(q, k, v, block_mask=documents.block_mask, enable_gqa=gqa)
     backend, dense = documents.backend, documents.dense
     if backend == "fa4":
-        q_NHD, k_NKD, v_NKD = flat(q), flat(k), flat(v)
+        q_NHD, k_NKD, v_NKD = _autocast(flat(q), flat(k), flat(v))
         if not _fa4_refused(q_NHD, k_NKD, v_NKD, documents.chosen, "attention_backend"):
             out_NHD = flash4.flash4_attention(
                 q_NHD,
@@ -349,7 +359,7 @@ def attention(
     num_rep = q.shape[1] // k.shape[1]
     q_len, kv_len = q.shape[2], k.shape[2]
     if _kernel.name == "fa4" and mask is None and (q_len == kv_len or not causal):
-        q_BSHD, k_BSKD, v_BSKD = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q_BSHD, k_BSKD, v_BSKD = _autocast(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
         if not _fa4_refused(q_BSHD, k_BSKD, v_BSKD, _kernel.chosen, "performance.attention.kernel"):
             return flash4.flash4_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal).transpose(1, 2)
     if causal and mask is None and q_len == kv_len:
