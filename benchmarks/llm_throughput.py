@@ -10,6 +10,10 @@ loss. Pure bf16 weights and optimizer state (the model cast to bf16, AdamW on it
     python benchmarks/llm_throughput.py --shape llama3.2-1b --seq 4096 --batch 8 \
         --paths forge forge-eager forge-fp8 hf-eager hf-compile hf-liger
 
+FlashAttention-4 against cuDNN SDPA (the same model otherwise; packed rows are not used here):
+
+    python benchmarks/llm_throughput.py --shape llama3.2-1b --seq 4096 --batch 8 --paths forge-sdpa forge-fa4
+
 ``--loss-steps N`` instead trains the chosen paths for N steps on real text (the quick-start corpus and its BPE
 tokenizer, built on the machine; same seed and data order for every path) and compares the mean loss of the last
 20 steps, e.g. FP8 against bf16:
@@ -50,6 +54,10 @@ FORGE_PATHS = {
     },  # fmt: skip
     "forge-fp8-rowwise": {"fp8": {"recipe": "rowwise"}},
     "forge-flash": {"attention": {"sdpa": ["flash", "efficient", "math"]}},
+    # the attention kernel pinned: SDPA (cuDNN first) or FlashAttention-4 (`pip install flash-attn-4`); `forge`
+    # itself is `auto`, FA4 where it imports
+    "forge-sdpa": {"attention": {"kernel": "sdpa"}},
+    "forge-fa4": {"attention": {"kernel": "fa4"}},
 }
 HF_PATHS = ("hf-eager", "hf-compile", "hf-liger")
 PATHS = (*FORGE_PATHS, *HF_PATHS)

@@ -17,6 +17,9 @@ path in its own child process on the same GPU, timed after warm-up. Paths:
   max_length``): the same work per sample as lerobot's paths.
 - ``forge-eager``: ``forge-sac`` without ``torch.compile``.
 - ``forge-bf16``: bf16 weights and AdamW state under bf16 autocast, like ``lerobot-bf16``.
+- ``forge-sdpa`` / ``forge-fa4``: ``forge`` with ``performance.attention.kernel`` pinned to SDPA or to
+  FlashAttention-4 (``forge`` is ``auto``: FA4 where it imports). FA4 serves the vision tower; the prefix-LM and
+  action-expert attention has a block mask and stays on SDPA.
 - ``lerobot-ckpt``: lerobot 0.6.1's usual setting, fp32 weights + bf16 autocast + gradient checkpointing.
 - ``lerobot-autocast``: fp32 weights + bf16 autocast at half the batch (batch 32 does not fit on one H200).
 - ``lerobot-bf16``: ``dtype: bfloat16`` (bf16 weights except the vision tower and the norms) + bf16 autocast.
@@ -117,6 +120,10 @@ FORGE_PATHS: dict[str, dict[str, Any]] = {
     # bf16 the default dtype inside the step, so Pi05.sample_time's Beta distribution samples in bf16 on the
     # CPU, which torch does not implement (a bf16 Dirichlet), whatever the training device.
     "forge-bf16": {"precision": "bf16-mixed", "weights": "bfloat16", "performance": {}},
+    # `forge` with the attention kernel pinned: SDPA, or FlashAttention-4 (the SigLIP tower's attention; the
+    # prefix-LM and action-expert attention has a block mask and stays on SDPA)
+    "forge-sdpa": {"precision": "bf16-mixed", "performance": {"attention": {"kernel": "sdpa"}}},
+    "forge-fa4": {"precision": "bf16-mixed", "performance": {"attention": {"kernel": "fa4"}}},
 }
 LEROBOT_PATHS: dict[str, dict[str, Any]] = {
     "lerobot-ckpt": {"dtype": "float32", "checkpointing": True, "batch_divisor": 1},

@@ -32,7 +32,9 @@ computes under bf16 autocast, as ours do: the numerically like-for-like baseline
 ``ours-packed:ac=selective,eager`` sets that row's activation checkpointing
 (``ac=none|selective|full``, default ``--activation-checkpointing``) and compilation (``eager``, or ``compile``
 on any device; default: the ``performance`` default, compiled on CUDA, unless ``--no-compile``) and attention
-(``attn=auto|sdpa|flex|varlen``, default ``--attention``), so one run can hold several variants.
+(``attn=auto|sdpa|flex|varlen|fa4``, default ``--attention``), so one run can hold several variants. ``attn=fa4``
+runs FlashAttention-4 for packed rows and for the attention without documents (``performance.attention.kernel``);
+``auto`` leaves that kernel ``auto`` and the other choices pin it to SDPA.
 
 Every row trains the same real tokens per step, so the loss of a step is the same quantity on every row (the mean
 over the step's answer tokens). FLOPs per step come from ``VisionLanguageModule.batch_stats`` of the step's padded
@@ -74,7 +76,7 @@ FIT_ROW = "forge-fit"
 ROWS = (*HF_ROWS, *OUR_ROWS, FIT_ROW)
 # Per-row options of our rows, written `ours-packed:ac=selective,eager` (see parse_row).
 AC_CHOICES = ("none", "selective", "full")
-ATTENTION_CHOICES = ("auto", "sdpa", "flex", "varlen")
+ATTENTION_CHOICES = ("auto", "sdpa", "flex", "varlen", "fa4")
 # <|image_pad|>, <|video_pad|>, <|vision_start|>, <|vision_end|>, <|endoftext|> of the Qwen2-VL vocabulary.
 _QWEN_TOKENS = {
     "image_token_id": 151655,
@@ -331,7 +333,8 @@ def build_ours(
     from forge_lightning.modules.vlm import VisionLanguageModule
     from forge_lightning.performance import apply_performance, resolve
 
-    performance: dict[str, Any] = {"attention": {"packed": args.attention}}
+    kernel = args.attention if args.attention in ("auto", "fa4") else "sdpa"
+    performance: dict[str, Any] = {"attention": {"packed": args.attention, "kernel": kernel}}
     if args.activation_checkpointing != "none":
         performance["activation_checkpointing"] = args.activation_checkpointing
     if args.compile in (False, "always"):
@@ -354,7 +357,9 @@ def build_ours(
     vision = resolve_attention_backend(args.attention, device, varying_shapes=True)
     llm = f"packed {packed}" if row == "ours-packed" else "sdpa with the padding mask"
     sdpa = ", ".join(resolved.sdpa) if resolved.sdpa else "torch's default"
-    attention = f"LLM {llm}; vision {vision} per window; SDPA order {sdpa}"
+    attention = (
+        f"LLM {llm}; vision {vision} per window; kernel {resolved.attention_kernel}; SDPA order {sdpa}"
+    )
     compiled = "compiled blocks" if resolved.compile else "eager"
     setting = f"fp32 masters + bf16 autocast, {compiled}, AC {args.activation_checkpointing}, "
     setting += f"loss kernel {resolved.kernels['cross_entropy']}"

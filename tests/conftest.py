@@ -1,3 +1,4 @@
+import importlib
 import json
 import os
 import sys
@@ -36,3 +37,11 @@ def tiny_corpus(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         ["pretrain", "--input", str(jsonl), "--tokenizer", str(root / "tok"), "--output-prefix", str(prefix)]
     )
     return {"root": root, "jsonl": jsonl, "tokenizer": root / "tok", "prefix": prefix}
+
+
+@pytest.fixture(autouse=True)
+def _attention_kernel_restored(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The attention kernel (``performance.attention.kernel``) is process-wide, like the SDPA backends: a test that
+    applies it on a GPU must not move the next test off SDPA."""
+    layers = importlib.import_module("forge_lightning.modules.layers.attention")
+    monkeypatch.setattr(layers, "_kernel", layers._kernel)

@@ -27,6 +27,7 @@ ALTERNATIVES = {
     "kernels.rope": {"kernels": {"rope": "torch"}},
     "kernels.swiglu": {"kernels": {"swiglu": "torch"}},
     "kernels.cross_entropy": {"kernels": {"cross_entropy": "torch"}},
+    "attention.kernel": {"attention": {"kernel": "sdpa"}},
     "attention.sdpa": {"attention": {"sdpa": ["math"]}},
     "attention.packed": {"attention": {"packed": "sdpa"}},
     "compile": {"compile": False},

@@ -18,7 +18,8 @@ SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 CUDA_SDPA_PRIORITY = ["cudnn", "flash", "efficient", "math"]
 """SDPA backends in priority order on CUDA: cuDNN attention first (about 1.6x FlashAttention-2's speed for causal
 GQA on an H200, measured in docs/benchmarks.md), the others as fallbacks for inputs cuDNN refuses."""
-PACKED_BACKENDS = ("auto", "sdpa", "flex", "varlen")
+PACKED_BACKENDS = ("auto", "sdpa", "flex", "varlen", "fa4")
+ATTENTION_KERNELS = ("auto", "sdpa", "fa4")
 AC_MODES = ("none", "full", "selective")
 FP8_RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 OPTIMIZER_IMPLEMENTATIONS = ("auto", "fused", "foreach", "for_loop")
@@ -30,6 +31,7 @@ DEFAULT_SELECTIVE_SAVE = [
     "aten._scaled_dot_product_cudnn_attention.default",
     "aten._scaled_dot_product_efficient_attention.default",
     "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "forge_lightning.flash4_forward.default",
 ]
 """Ops whose outputs selective activation checkpointing keeps: the matmuls and attention (expensive to recompute);
 norms, activations and RoPE are recomputed in backward."""
@@ -62,13 +64,19 @@ class AttentionConfig:
     """Attention kernels.
 
     Args:
+        kernel: kernel of attention without packed documents, every family's: ``sdpa``, ``fa4``
+            (FlashAttention-4, ``pip install flash-attn-4``: Hopper or Blackwell, bf16 / fp16, head dims up to
+            128; calls with a mask or a KV cache use SDPA) or ``auto`` (``fa4`` where it imports and the GPU
+            takes it, its unsupported calls falling back to SDPA; ``sdpa`` elsewhere).
         sdpa: SDPA backends allowed, in priority order (``cudnn``, ``flash``, ``efficient``, ``math``); ``auto``:
             cuDNN, then flash, efficient and math on CUDA, torch's default elsewhere.
-        packed: kernel for packed rows (several documents per row): ``auto`` (on CUDA FlexAttention for an LLM's
-            fixed-shape rows and FlashAttention varlen for encoders, whose shapes change with every image grid;
-            SDPA with a block-diagonal mask elsewhere), ``sdpa``, ``flex`` or ``varlen``.
+        packed: kernel for packed rows (several documents per row): ``auto`` (on CUDA FA4 varlen when ``kernel``
+            resolves to ``fa4``, else FlexAttention for an LLM's fixed-shape rows and FlashAttention varlen for
+            encoders, whose shapes change with every image grid; SDPA with a block-diagonal mask elsewhere),
+            ``sdpa``, ``flex``, ``varlen`` or ``fa4``.
     """
 
+    kernel: str = "auto"
     sdpa: list[str] | Literal["auto"] = "auto"
     packed: str = "auto"
 
@@ -145,6 +153,7 @@ class PerformanceConfig:
                 raise ValueError(
                     "performance.attention.sdpa is empty: name at least one backend, or use 'auto'"
                 )
+        _check("performance.attention.kernel", self.attention.kernel, ATTENTION_KERNELS)
         _check("performance.attention.packed", self.attention.packed, PACKED_BACKENDS)
         _check("performance.compile", self.compile, (True, False, "auto"))
         _check("performance.activation_checkpointing", self.activation_checkpointing, AC_MODES)
@@ -174,6 +183,9 @@ class ResolvedPerformance:
     kernels: dict[str, str]
     sdpa: list[str] | None
     packed: str
+    attention_kernel: str
+    attention_kernel_chosen: bool
+    attention_kernel_note: str | None
     compile: bool
     activation_checkpointing: str
     selective_save_ops: tuple[str, ...]
@@ -209,13 +221,46 @@ def resolve(perf: PerformanceConfig, device: torch.device | str) -> ResolvedPerf
     sdpa = perf.attention.sdpa
     if sdpa == "auto":
         sdpa = list(CUDA_SDPA_PRIORITY) if cuda else None
+    attention_kernel, note = resolve_attention_kernel(perf.attention, device)
     return ResolvedPerformance(
         kernels=kernels,
         sdpa=sdpa,
         packed=perf.attention.packed,
+        attention_kernel=attention_kernel,
+        attention_kernel_chosen=perf.attention.kernel == "auto",
+        attention_kernel_note=note,
         compile=compiled,
         activation_checkpointing=perf.activation_checkpointing,
         selective_save_ops=tuple(perf.selective_save_ops),
         fp8=perf.fp8,
         optimizer=("fused" if cuda else "foreach") if perf.optimizer == "auto" else perf.optimizer,
     )
+
+
+def resolve_attention_kernel(
+    attention: AttentionConfig, device: torch.device | str
+) -> tuple[str, str | None]:
+    """The attention kernel (``sdpa`` or ``fa4``) ``attention.kernel`` and ``attention.packed`` mean on ``device``,
+    and why ``auto`` did not pick FA4 (``None`` when it did, or when nothing asked for it).
+
+    Args:
+        attention: the run's attention settings.
+        device: where the model trains.
+
+    Raises:
+        ValueError: ``fa4`` asked for (as ``kernel`` or ``packed``) where FlashAttention-4 cannot run (not
+            installed, no CUDA, not Hopper / Blackwell).
+    """
+    from forge_lightning.kernels.flash4 import device_unsupported
+
+    asked = [
+        f"performance.attention.{name}" for name in ("kernel", "packed") if getattr(attention, name) == "fa4"
+    ]
+    if attention.kernel == "sdpa" and not asked:
+        return "sdpa", None
+    reason = device_unsupported(device)
+    if reason is not None and asked:
+        raise ValueError(f"{' and '.join(asked)} 'fa4': {reason}; or set it to 'auto' or 'sdpa'")
+    if reason is not None:
+        return "sdpa", reason
+    return ("sdpa" if attention.kernel == "sdpa" else "fa4"), None

@@ -3,8 +3,8 @@
 Every strategy applies them in one fixed order, between its own tensor parallelism and its data-parallel
 wrapping::
 
-    tensor parallelism ─ FP8 ─ kernels ─ SDPA backends ─ activation checkpointing ─ torch.compile ─ FSDP / DDP
-    (strategy)           apply_performance (this module)                                          (strategy)
+    tensor parallelism ─ FP8 ─ kernels ─ SDPA backends, attention kernel ─ activation checkpointing ─ torch.compile ─ FSDP / DDP
+    (strategy)           apply_performance (this module)                                                             (strategy)
 
 Strategies that shard or parallelise the model (``FSDP2Strategy``) call :func:`apply_performance` themselves after
 TP and declare ``traits.applies_performance``; ``MegatronStrategy`` declares it too and hands the settings to the
@@ -48,6 +48,7 @@ _APPLIED_SWITCHES = frozenset(
         "kernels.rope",
         "kernels.swiglu",
         "attention.sdpa",
+        "attention.kernel",
         "activation_checkpointing",
         "compile",
     }
@@ -78,6 +79,11 @@ def apply_performance(
                 "to replace; leave it 'auto'"
             )
     apply_sdpa_backends(resolved.sdpa)
+    apply_attention_kernel(
+        resolved.attention_kernel,
+        chosen=resolved.attention_kernel_chosen,
+        note=resolved.attention_kernel_note if torch.device(device).type == "cuda" else None,
+    )
     apply_activation_checkpointing(plan, resolved.activation_checkpointing, resolved.selective_save_ops)
     apply_compile(plan, enabled=resolved.compile)
     selective = {"selective_save_ops"} if resolved.activation_checkpointing == "selective" else set()
@@ -261,6 +267,27 @@ def apply_sdpa_backends(backends: list[str] | None) -> None:
     rank_zero_info(f"sdpa backends: {backends}")
 
 
+def apply_attention_kernel(kernel: str, *, chosen: bool, note: str | None = None) -> None:
+    """Use ``kernel`` (``sdpa`` or ``fa4``) for every attention layer of this process (see
+    :func:`~forge_lightning.modules.layers.attention.set_attention_kernel`).
+
+    Args:
+        kernel: the resolved ``performance.attention.kernel``.
+        chosen: ``auto`` picked it (calls FA4 does not take fall back to SDPA).
+        note: why ``auto`` did not pick FA4, for the log line.
+    """
+    from forge_lightning.modules.layers.attention import set_attention_kernel
+
+    set_attention_kernel(kernel, chosen=chosen)
+    if kernel == "fa4":
+        rank_zero_info(
+            "attention kernel: FlashAttention-4 (calls with a mask or a KV cache use SDPA"
+            + ("; fp32 or head dims over 128 too)" if chosen else ")")
+        )
+    elif note is not None:
+        rank_zero_info(f"attention kernel: SDPA ({note})")
+
+
 # ----- activation checkpointing and compilation ----------------------------------------------------------------
 def apply_activation_checkpointing(plan: ParallelPlan, mode: str, save_ops: tuple[str, ...] = ()) -> None:
     """Recompute each trainable block's activations in backward (the composable ``checkpoint`` API).
@@ -324,13 +351,15 @@ def _selective_context(save_ops: tuple[str, ...]) -> Any:
 
 
 def _aten_op(name: str) -> Any:
-    """``aten.mm.default`` -> ``torch.ops.aten.mm.default`` (``None`` for an op this torch build lacks)."""
+    """``aten.mm.default`` -> ``torch.ops.aten.mm.default``, ``forge_lightning.<op>.<overload>`` likewise (our
+    custom ops, e.g. FlashAttention-4's forward); ``None`` for an op this build lacks."""
     parts = name.split(".")
-    if len(parts) != 3 or parts[0] != "aten":
+    if len(parts) != 3 or parts[0] not in ("aten", "forge_lightning"):
         raise ValueError(
-            f"performance.selective_save_ops entry {name!r} must look like 'aten.<op>.<overload>'"
+            f"performance.selective_save_ops entry {name!r} must look like 'aten.<op>.<overload>' (or "
+            "'forge_lightning.<op>.<overload>')"
         )
-    packet = getattr(torch.ops.aten, parts[1], None)
+    packet = getattr(getattr(torch.ops, parts[0]), parts[1], None)
     return None if packet is None else getattr(packet, parts[2], None)
 
 

@@ -19,20 +19,26 @@ backend    packed attention                                                     
            skips the blocks outside the documents                                   forward only (eager)
 ``varlen`` ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen) on     CUDA, fp16 / bf16
            the flattened batch with ``cu_seqlens``
-``auto``   on CUDA ``flex`` for rows of a fixed shape (an LLM's packed rows), ``varlen`` for masks built
-           with ``varying_shapes`` (encoders, whose token count changes with every image grid: compiled
-           FlexAttention would recompile for each, then run eagerly), falling back to SDPA with the dense
-           mask for inputs in fp32 (FlashAttention takes fp16 / bf16 only); ``sdpa`` elsewhere
+``fa4``    FlashAttention-4 varlen (``forge_lightning.kernels.flash4``) on the      Hopper / Blackwell,
+           flattened batch with ``cu_seqlens``                                      fp16 / bf16, D <= 128
+``auto``   on CUDA ``fa4`` when the process's attention kernel is FA4 (see below), else ``flex`` for rows of
+           a fixed shape (an LLM's packed rows), ``varlen`` for masks built with ``varying_shapes``
+           (encoders, whose token count changes with every image grid: compiled FlexAttention would
+           recompile for each, then run eagerly); inputs FA4 / FlashAttention do not take (fp32, FA4: head
+           dims over 128) fall back to SDPA with the dense mask; ``sdpa`` elsewhere
 =========  ======================================================================  ==========================
 
-Rows without document boundaries always use SDPA's causal kernel. The dense mask is O(S^2) memory: use it for CPU
-and tests, a kernel backend for long sequences on GPU.
+Rows without document boundaries use the process's attention kernel (:func:`set_attention_kernel`, from
+``performance.attention.kernel``): SDPA, or FlashAttention-4 for calls without a mask or KV cache in bf16 / fp16
+(the others use SDPA). The dense mask is O(S^2) memory: use it for CPU and tests, a kernel backend for long
+sequences on GPU.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,13 +46,79 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from forge_lightning.kernels import flash4
 from forge_lightning.kernels.fp8_attention import FP8AttentionScales, fp8_attention
 from forge_lightning.modules.layers.mlp import init_linear
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import apply_rotary
 
-ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen")
+ATTENTION_BACKENDS = ("auto", "sdpa", "flex", "varlen", "fa4")
 """Attention backends for packed sequences (see the module docstring)."""
+ATTENTION_KERNELS = ("sdpa", "fa4")
+"""Kernels for attention without packed documents (see :func:`set_attention_kernel`)."""
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    name: str = "sdpa"
+    chosen: bool = False  # picked by `auto`: inputs FA4 does not take fall back to SDPA instead of failing
+
+
+_kernel = _Kernel()
+_fallbacks_logged: set[str] = set()
+
+
+def set_attention_kernel(name: str, *, chosen: bool = False) -> None:
+    """Use ``name`` (``sdpa`` or ``fa4``) for this process's attention, and for packed rows whose backend is ``auto``.
+
+    Process-wide, like the SDPA backends (``torch.backends.cuda.enable_*_sdp``), so every family's layers and
+    their compiled graphs see it; ``performance.attention.kernel`` sets it when a strategy applies the
+    performance settings.
+
+    Args:
+        name: ``sdpa`` or ``fa4`` (FlashAttention-4: the device must have been checked, see
+            :func:`forge_lightning.kernels.flash4.device_unsupported`).
+        chosen: picked by ``auto``: calls FA4 does not take (fp32, head dims over 128) fall back to SDPA, logged
+            once per reason; otherwise they raise.
+    """
+    global _kernel
+    if name not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel ({name!r}) must be one of {', '.join(ATTENTION_KERNELS)}")
+    _kernel = _Kernel(name, chosen)
+
+
+def attention_kernel() -> str:
+    """This process's attention kernel (``sdpa`` or ``fa4``), see :func:`set_attention_kernel`."""
+    return _kernel.name
+
+
+def _autocast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """``q, k, v`` in the autocast dtype when autocast is on for their device, as SDPA casts its inputs (under
+    ``bf16-mixed`` RoPE and q/k norms leave queries and keys in fp32)."""
+    device_type = q.device.type
+    if not torch.is_autocast_enabled(device_type):
+        return q, k, v
+    dtype = torch.get_autocast_dtype(device_type)
+    return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+def _fa4_refused(q: Tensor, k: Tensor, v: Tensor, chosen: bool, what: str) -> bool:
+    """Whether FA4 cannot take these ``[..., heads, D]`` inputs: raise (explicit choice) or log once (``auto``)."""
+    # CUDA devices were checked when the kernel was set; tensors elsewhere (a CPU evaluation) are checked here.
+    reason = flash4.device_unsupported(q.device) if q.device.type != "cuda" else None
+    reason = reason or flash4.inputs_unsupported(q, k, v)
+    if reason is None:
+        return False
+    if not chosen:
+        raise ValueError(f"{what} 'fa4': {reason}; choose 'auto' (falls back for such inputs) or 'sdpa'")
+    # Not logged while dynamo traces (a log call would break the graph); eager calls and the first step log it.
+    if reason not in _fallbacks_logged and not torch.compiler.is_compiling():
+        _fallbacks_logged.add(reason)
+        _log.info("attention: %s; these calls use the fallback kernel", reason)
+    return True
+
 
 try:  # torch >= 2.10
     from torch.nn.attention.varlen import varlen_attn as _varlen_attn
@@ -71,18 +143,25 @@ def check_attention_backend(backend: str) -> str:
 def resolve_attention_backend(backend: str, device: torch.device, *, varying_shapes: bool = False) -> str:
     """The concrete backend for ``backend`` on ``device``.
 
-    ``auto`` is ``sdpa`` off CUDA; on CUDA ``flex`` (compiled for static shapes), or ``varlen`` when the rows'
+    ``auto`` is ``sdpa`` off CUDA; on CUDA ``fa4`` when the process's attention kernel is FA4
+    (:func:`set_attention_kernel`), else ``flex`` (compiled for static shapes), or ``varlen`` when the rows'
     shapes change from call to call (``varying_shapes``) and this torch has it.
     """
     check_attention_backend(backend)
     if backend == "auto":
         if device.type != "cuda":
             return "sdpa"
+        if _kernel.name == "fa4":
+            return "fa4"
         return "varlen" if varying_shapes and _varlen_attn is not None else "flex"
     if backend == "varlen" and device.type != "cuda":
         raise ValueError(
             f"attention_backend 'varlen' needs CUDA (FlashAttention), got device {device.type!r}"
         )
+    if backend == "fa4":
+        reason = flash4.device_unsupported(device)
+        if reason is not None:
+            raise ValueError(f"attention_backend 'fa4': {reason}; choose 'auto' or 'sdpa'")
     return backend
 
 
@@ -112,14 +191,14 @@ class DocumentMask:
 
     Args:
         document_ids: ``[B, S]`` non-decreasing document index of every token of each row.
-        backend: ``sdpa``, ``flex`` or ``varlen``.
+        backend: ``sdpa``, ``flex``, ``varlen`` or ``fa4``.
         dense: ``[B, 1, S, S]`` boolean mask (``sdpa``).
         block_mask: FlexAttention ``BlockMask`` (``flex``).
-        cu_seqlens: ``[num_documents + 1]`` int32 document offsets in the flattened batch (``varlen``).
-        max_seqlen: longest document (``varlen``).
+        cu_seqlens: ``[num_documents + 1]`` int32 document offsets in the flattened batch (``varlen``, ``fa4``).
+        max_seqlen: longest document (``varlen``, ``fa4``).
         causal: each token attends to the earlier tokens of its document only; ``False``: to all of them.
-        chosen: the backend was picked by ``auto``: fp32 inputs then fall back from ``varlen`` to SDPA with a dense
-            mask (an explicit ``varlen`` refuses them).
+        chosen: the backend was picked by ``auto``: inputs it does not take (``fa4``: fp32, head dims over 128;
+            ``varlen``: fp32) then fall back to SDPA with a dense mask; an explicit choice refuses them.
     """
 
     document_ids: Tensor
@@ -176,22 +255,36 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
     """Attention within documents (causal if the mask is), ``[B, H, S, D]`` in and out, on the mask's backend."""
     B, H, S, D = q.shape
     gqa = q.shape[1] != k.shape[1]
+
+    def flat(x: Tensor) -> Tensor:  # [B, heads, S, D] -> [B*S, heads, D]
+        return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3])
+
     if documents.backend == "flex":
         return _flex_kernel(q.device.type == "cuda")(q, k, v, block_mask=documents.block_mask, enable_gqa=gqa)
-    dense = documents.dense
-    if documents.backend == "varlen" and q.dtype not in (torch.float16, torch.bfloat16):
+    backend, dense = documents.backend, documents.dense
+    if backend == "fa4":
+        q_NHD, k_NKD, v_NKD = _autocast(flat(q), flat(k), flat(v))
+        if not _fa4_refused(q_NHD, k_NKD, v_NKD, documents.chosen, "attention_backend"):
+            out_NHD = flash4.flash4_attention(
+                q_NHD,
+                k_NKD,
+                v_NKD,
+                causal=documents.causal,
+                cu_seqlens=documents.cu_seqlens,
+                max_seqlen=documents.max_seqlen,
+            )
+            return out_NHD.view(B, S, H, D).transpose(1, 2)
+        backend, dense = "sdpa", _dense_mask(documents.document_ids, documents.causal)
+    if backend == "varlen" and q.dtype not in (torch.float16, torch.bfloat16):
         if not documents.chosen:
             raise ValueError(
                 f"attention_backend 'varlen' (FlashAttention) takes fp16 / bf16 inputs, got {q.dtype}: compute "
                 "under bf16 autocast, or choose 'auto' (SDPA for fp32 inputs) or 'sdpa'"
             )
         dense = _dense_mask(documents.document_ids, documents.causal)
-    elif documents.backend == "varlen":
+    elif backend == "varlen":
         if _varlen_attn is None:
             raise RuntimeError(f"attention_backend 'varlen' needs torch >= 2.10, got {torch.__version__}")
-
-        def flat(x: Tensor) -> Tensor:  # [B, heads, S, D] -> [B*S, heads, D]
-            return x.transpose(1, 2).reshape(B * S, x.shape[1], D)
 
         # The keywords changed across torch releases: causality is `is_causal` in 2.10 and `window_size` from
         # 2.11; `enable_gqa` exists from 2.12 (FlashAttention takes fewer key/value heads natively before).
@@ -246,6 +339,9 @@ def attention(
             positions runs in FP8 (:func:`~forge_lightning.kernels.fp8_attention.fp8_attention`); the other
             cases stay in the inputs' precision.
 
+    Without ``fp8`` or ``documents``, calls without ``mask`` (causal ones also without cached positions) run on
+    the process's attention kernel (:func:`set_attention_kernel`); the others on SDPA.
+
     Returns:
         ``[B, H, S_q, D]``.
     """
@@ -262,6 +358,10 @@ def attention(
         return _document_attention(q, k, v, documents)
     num_rep = q.shape[1] // k.shape[1]
     q_len, kv_len = q.shape[2], k.shape[2]
+    if _kernel.name == "fa4" and mask is None and (q_len == kv_len or not causal):
+        q_BSHD, k_BSKD, v_BSKD = _autocast(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+        if not _fa4_refused(q_BSHD, k_BSKD, v_BSKD, _kernel.chosen, "performance.attention.kernel"):
+            return flash4.flash4_attention(q_BSHD, k_BSKD, v_BSKD, causal=causal).transpose(1, 2)
     if causal and mask is None and q_len == kv_len:
         # Grouped heads natively: cuDNN and FlashAttention read each key/value head once (no expanded copies
         # saved for backward).

@@ -61,6 +61,7 @@ class DecoderTwin:
             "kernels.swiglu",
             "kernels.cross_entropy",
             "attention.packed",
+            "attention.kernel",
             "activation_checkpointing",
         }
     )
@@ -113,6 +114,12 @@ class DecoderTwin:
                     f"performance.attention.packed ({perf.attention.packed!r}) is not applied under "
                     "MegatronStrategy: the twin attends within packed documents through SDPA with a document mask "
                     "('sdpa'); set 'auto' or 'sdpa'"
+                )
+            if perf.attention.kernel == "fa4":
+                raise ValueError(
+                    "performance.attention.kernel ('fa4') is not applied under MegatronStrategy: the twin's "
+                    "attention is megatron-core's (SDPA); set 'auto' or 'sdpa', or train with FSDP2Strategy or DDP "
+                    "for FlashAttention-4"
                 )
             checkpointing = perf.activation_checkpointing
         if kernels["swiglu"] == "triton":
