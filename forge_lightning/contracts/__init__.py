@@ -32,6 +32,7 @@ from forge_lightning.contracts.megatron import (
 )
 from forge_lightning.contracts.module import (
     ConfiguredModule,
+    ContextParallelModule,
     ExportableModule,
     GenerativeModule,
     MeasuredModule,
@@ -70,6 +71,7 @@ __all__ = [
     "STEP_TOKENS",
     "Component",
     "Composition",
+    "ContextParallelModule",
     "DataParallelLayout",
     "ExportableModule",
     "GenerativeModule",
