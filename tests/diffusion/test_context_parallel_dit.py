@@ -7,8 +7,9 @@ timesteps (Wan 2.2 TI2V) on it, and a packed I2V batch of 3 videos with their ow
 the one-process output to 1e-12 of its largest magnitude in fp64 (1e-6 in fp32), every parameter's gradient, summed
 over the ranks and divided by their count, to 1e-7 of the largest gradient (fp32: 1e-6; measured at most 3e-8 and
 2.4e-7): the DiT keeps its modulation and norms in fp32 even in an fp64 model (Wan's design), so its gradients carry
-fp32 rounding whatever the summation order. The strategy's options and refusals are checked here too;
-``tests/diffusion/test_module.py`` trains under FSDP2 with ``context_parallel_size: 2``.
+fp32 rounding whatever the summation order. The refusal of a module without ``enable_context_parallel`` is checked
+here too (the degrees in ``tests/strategies/test_parallel_degrees.py``); ``tests/diffusion/test_module.py`` trains
+under FSDP2 with ``context_parallel_size: 2``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import pytest
 from procs import run_workers
 from torch import nn
 
-from forge_lightning.strategies.fsdp2 import FSDPDims, _check_context_parallel
+from forge_lightning.strategies.fsdp2 import _check_context_parallel
 
 WORKER = Path(__file__).with_name("cp_dit_worker.py")
 CASES = ["even", "padded", "per_token_timesteps", "packed", "fp32"]
@@ -58,25 +59,6 @@ def test_four_ranks_equal_one_process(results4, name):
 
 def test_ulysses_refuses_heads_that_do_not_split(results4):
     assert "head count (2) divisible by the context-parallel size (4)" in results4[0]["error"]
-
-
-def test_context_parallel_degrees_are_validated_once_naming_every_degree():
-    dims = FSDPDims(context_parallel_size=2, tensor_parallel_size=2)
-    assert dims.validate(8) == 2  # dp = 8 / (cp x tp)
-    with pytest.raises(
-        ValueError, match=r"context_parallel_size x tensor_parallel_size must equal the world size"
-    ):
-        FSDPDims(data_parallel_size=2, context_parallel_size=2).validate(2)
-    with pytest.raises(
-        ValueError, match=r"context_parallel_type \('stripe'\) must be one of ulysses, ring, hybrid"
-    ):
-        FSDPDims(context_parallel_size=2, context_parallel_type="stripe").validate(2)
-    with pytest.raises(ValueError, match=r"needs context_parallel_ulysses_size.*one of \[2\].*world size=4"):
-        FSDPDims(context_parallel_size=4, context_parallel_type="hybrid").validate(4)
-    with pytest.raises(
-        ValueError, match=r"context_parallel_ulysses_size is for context_parallel_type 'hybrid'"
-    ):
-        FSDPDims(context_parallel_size=2, context_parallel_ulysses_size=2).validate(2)
 
 
 def test_a_module_without_the_contract_is_refused_by_name():
