@@ -18,9 +18,11 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
+from forge_lightning.contracts import Component, ParallelPlan
 from forge_lightning.distributed.context_parallel import ContextParallel
 from forge_lightning.distributed.split_sequence import SplitSequence
 from forge_lightning.modules.diffusion import WanDiT, preset
+from forge_lightning.performance.transforms import apply_activation_checkpointing
 
 T2V = preset("debug", in_channels=4, out_channels=4)
 I2V = preset("debug", in_channels=8, out_channels=4, image_dim=20, added_kv_proj_dim=24)
@@ -65,10 +67,21 @@ def _packed(dtype: torch.dtype) -> Callable[[WanDiT], torch.Tensor]:
     return run
 
 
-def _case(cp: ContextParallel, config, run: Callable[[WanDiT], torch.Tensor], dtype: torch.dtype) -> dict:
+def _case(
+    cp: ContextParallel,
+    config,
+    run: Callable[[WanDiT], torch.Tensor],
+    dtype: torch.dtype,
+    checkpointed: bool = False,
+) -> dict:
     whole = _model(config, dtype)
     split = copy.deepcopy(whole)
     split.set_sequence_layout(SplitSequence(cp))
+    if (
+        checkpointed
+    ):  # after the layout, as FSDP2Strategy orders them: blocks recomputed (attention too) in backward
+        plan = ParallelPlan(components=[Component(name="dit", module=split, blocks=split.repeated_blocks())])
+        apply_activation_checkpointing(plan, "full")
     reference = run(whole)
     grad_out = torch.randn(reference.shape, generator=torch.Generator().manual_seed(4), dtype=dtype)
     (reference * grad_out).sum().backward()
@@ -122,6 +135,7 @@ def main() -> None:
         # Each rank holding two chunks, not in sequence order: split and gather follow the chunk order.
         chunked = ContextParallel(dist.group.WORLD, (0, 3, 1, 2), comm_type="p2p")
         results["ring_chunk_order_packed"] = _case(chunked, I2V, _packed(torch.float64), torch.float64)
+        results["ring_checkpointed_packed"] = _case(ring, I2V, _packed(torch.float64), torch.float64, True)
     if world == 4:
         results |= _cases("hybrid", _hybrid(world, ulysses=2))
         try:  # the debug DiT's 2 heads over 4 Ulysses ranks

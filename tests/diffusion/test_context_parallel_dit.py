@@ -1,5 +1,5 @@
 """The Wan DiT under context parallelism equals one process: ``cp_dit_worker.py`` on 2 gloo processes (Ulysses, ring,
-ring with a permuted chunk order) and 4 (ring, hybrid 2 x 2).
+ring with a permuted chunk order, ring with activation-checkpointed blocks) and 4 (ring, hybrid 2 x 2).
 
 Cases: a sequence that splits evenly (16 tokens), one padded to a multiple of the ranks (27 -> 28), per-token
 timesteps (Wan 2.2 TI2V) on it, and a packed I2V batch of 3 videos with their own texts and image tokens (46 tokens
@@ -50,6 +50,10 @@ def test_two_ranks_equal_one_process(results2, name):
 
 def test_split_and_gather_follow_the_chunk_order(results2):
     _check(results2, "ring_chunk_order_packed")
+
+
+def test_activation_checkpointing_recomputes_the_ring(results2):
+    _check(results2, "ring_checkpointed_packed")
 
 
 @pytest.mark.parametrize("name", [f"{kind}_{case}" for kind in ("ring", "hybrid") for case in CASES])
