@@ -396,26 +396,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         return self._require_mesh("context_parallel_size")["cp"].size()
 
     def context_parallel_groups(self) -> ContextParallel:
-        """This rank's context-parallel group (contiguous sequence chunks) and, for ``hybrid``, its Ulysses and
-        ring sub-groups (megatron's hierarchical layout: ``cp`` rank = ring rank x Ulysses size + Ulysses rank).
-        Collective when ``hybrid``: every rank builds every sub-group."""
-        from torch.distributed.device_mesh import DeviceMesh
-
-        mesh = self._require_mesh("context_parallel_groups")
+        """This rank's context-parallel group and algorithm (see :func:`context_parallel_of`). Collective when
+        ``hybrid``."""
         _, kind, ulysses = self.context_parallel
-        comm = CONTEXT_PARALLEL_TYPES[kind]
-        if kind != "hybrid":
-            return ContextParallel(mesh["cp"].get_group(), comm_type=comm)
-        R, S, C, T = mesh.mesh.shape
-        ranks = mesh.mesh.reshape(R, S, C // ulysses, ulysses, T)
-        names = ("hybrid_replicate", "hybrid_shard", "cp_ring", "cp_ulysses", "hybrid_tp")
-        sub = DeviceMesh(self.root_device.type, ranks, mesh_dim_names=names)
-        return ContextParallel(
-            mesh["cp"].get_group(),
-            comm_type=comm,
-            a2a_group=sub["cp_ulysses"].get_group(),
-            p2p_group=sub["cp_ring"].get_group(),
-        )
+        return context_parallel_of(self._require_mesh("context_parallel_groups"), kind, ulysses)
 
     @property
     @override
@@ -693,6 +677,34 @@ def _plan_of(module: nn.Module) -> ParallelPlan:
             "module's ParallelPlan (see forge_lightning.contracts.PlannedModule)"
         )
     return module.parallel_plan()
+
+
+def context_parallel_of(mesh: Any, kind: str, ulysses: int | None = None) -> ContextParallel:
+    """The :class:`ContextParallel` of this rank on a ``dp_replicate x dp_shard x cp x tp`` device mesh: its ``cp``
+    group (contiguous sequence chunks) and, for ``hybrid``, its Ulysses groups of ``ulysses`` consecutive cp ranks
+    and rings across them (megatron's hierarchical layout: cp rank = ring rank x ``ulysses`` + Ulysses rank).
+    Collective when ``hybrid``: every rank builds every sub-group.
+
+    Args:
+        mesh: the strategy's device mesh.
+        kind: ``ulysses``, ``ring`` or ``hybrid`` (:data:`CONTEXT_PARALLEL_TYPES`).
+        ulysses: the Ulysses group size of ``hybrid``.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    comm = CONTEXT_PARALLEL_TYPES[kind]
+    if kind != "hybrid":
+        return ContextParallel(mesh["cp"].get_group(), comm_type=comm)
+    R, S, C, T = mesh.mesh.shape
+    ranks = mesh.mesh.reshape(R, S, C // ulysses, ulysses, T)
+    names = ("hybrid_replicate", "hybrid_shard", "cp_ring", "cp_ulysses", "hybrid_tp")
+    sub = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=names)
+    return ContextParallel(
+        mesh["cp"].get_group(),
+        comm_type=comm,
+        a2a_group=sub["cp_ulysses"].get_group(),
+        p2p_group=sub["cp_ring"].get_group(),
+    )
 
 
 def _check_context_parallel(module: nn.Module, size: int) -> None:

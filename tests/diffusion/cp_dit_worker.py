@@ -17,12 +17,14 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from forge_lightning.contracts import Component, ParallelPlan
 from forge_lightning.distributed.context_parallel import ContextParallel
 from forge_lightning.distributed.split_sequence import SplitSequence
 from forge_lightning.modules.diffusion import WanDiT, preset
 from forge_lightning.performance.transforms import apply_activation_checkpointing
+from forge_lightning.strategies.fsdp2 import context_parallel_of
 
 T2V = preset("debug", in_channels=4, out_channels=4)
 I2V = preset("debug", in_channels=8, out_channels=4, image_dim=20, added_kv_proj_dim=24)
@@ -98,22 +100,6 @@ def _case(
     return errors
 
 
-def _hybrid(world: int, ulysses: int) -> ContextParallel:
-    """Ulysses groups of consecutive ranks, rings of ranks ``ulysses`` apart (megatron's hierarchical layout)."""
-    rank, mine = dist.get_rank(), {}
-    for name, groups in (
-        ("a2a", [list(range(j * ulysses, (j + 1) * ulysses)) for j in range(world // ulysses)]),
-        ("p2p", [list(range(i, world, ulysses)) for i in range(ulysses)]),
-    ):
-        for ranks in groups:  # every rank creates every group, in the same order
-            group = dist.new_group(ranks)
-            if rank in ranks:
-                mine[name] = group
-    return ContextParallel(
-        dist.group.WORLD, comm_type="a2a+p2p", a2a_group=mine["a2a"], p2p_group=mine["p2p"]
-    )
-
-
 def _cases(name: str, cp: ContextParallel) -> dict:
     f64, f32 = torch.float64, torch.float32
     return {
@@ -137,7 +123,11 @@ def main() -> None:
         results["ring_chunk_order_packed"] = _case(chunked, I2V, _packed(torch.float64), torch.float64)
         results["ring_checkpointed_packed"] = _case(ring, I2V, _packed(torch.float64), torch.float64, True)
     if world == 4:
-        results |= _cases("hybrid", _hybrid(world, ulysses=2))
+        # FSDP2Strategy's groups on its mesh (1 x 1 x cp 4 x 1): Ulysses pairs {0, 1}, {2, 3}, rings {0, 2}, {1, 3}.
+        mesh = init_device_mesh(
+            "cpu", (1, 1, world, 1), mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp")
+        )
+        results |= _cases("hybrid", context_parallel_of(mesh, "hybrid", ulysses=2))
         try:  # the debug DiT's 2 heads over 4 Ulysses ranks
             _case(ContextParallel(dist.group.WORLD), T2V, _batch(EVEN, torch.float64, False), torch.float64)
         except ValueError as err:

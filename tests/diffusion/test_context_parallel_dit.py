@@ -1,5 +1,6 @@
 """The Wan DiT under context parallelism equals one process: ``cp_dit_worker.py`` on 2 gloo processes (Ulysses, ring,
-ring with a permuted chunk order, ring with activation-checkpointed blocks) and 4 (ring, hybrid 2 x 2).
+ring with a permuted chunk order, ring with activation-checkpointed blocks) and 4 (ring, hybrid 2 x 2 on the groups
+``FSDP2Strategy`` builds from its device mesh).
 
 Cases: a sequence that splits evenly (16 tokens), one padded to a multiple of the ranks (27 -> 28), per-token
 timesteps (Wan 2.2 TI2V) on it, and a packed I2V batch of 3 videos with their own texts and image tokens (46 tokens
