@@ -292,10 +292,14 @@ def test_fsdp2_on_two_processes_matches_one(case, one_process):
     _assert_same_losses(one_process, two)
 
 
-def test_fsdp2_context_parallel_on_two_processes_matches_one(case, one_process):
-    """configs/diffusion/debug/cache_fsdp2_cp.yaml: 1 data-parallel rank x 2 context-parallel ranks."""
-    two, log = _launch(case, "fsdp2_cp", 2, recipe="cache_fsdp2_cp.yaml", data_parallel=1)
-    assert "dp_shard=1 x cp=2 (ulysses)" in log and "context parallelism: ulysses over 2 ranks" in log
+@pytest.mark.parametrize("kind", ["ulysses", "ring"])
+def test_fsdp2_context_parallel_on_two_processes_matches_one(case, one_process, kind):
+    """configs/diffusion/debug/cache_fsdp2_cp.yaml (Ulysses; ring by override): 1 data-parallel rank x 2
+    context-parallel ranks."""
+    recipe = yaml.safe_load((RECIPES / "cache_fsdp2_cp.yaml").read_text())["trainer"]["strategy"]
+    strategy = {**recipe, "init_args": {**recipe["init_args"], "context_parallel_type": kind}}
+    two, log = _launch(case, f"fsdp2_cp_{kind}", 2, strategy, "cache_fsdp2_cp.yaml", data_parallel=1)
+    assert f"dp_shard=1 x cp=2 ({kind})" in log and f"context parallelism: {kind} over 2 ranks" in log
     assert "fully_shard: 2 blocks + root over 2 ranks" in log  # parameters sharded over dp_shard x cp
     _assert_same_losses(one_process, two)
 
