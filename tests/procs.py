@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+import os
 import subprocess
+import sys
 import warnings
+from pathlib import Path
 
 
 def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
@@ -23,3 +27,20 @@ def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
         )
         return
     raise AssertionError(f"exit code {proc.returncode}\n{out[-6000:]}")
+
+
+def run_workers(script: Path, world: int, out: Path, timeout: float = 300) -> list[dict]:
+    """``python script RANK WORLD STORE OUT`` on ``world`` processes (``OMP_NUM_THREADS=1``; they meet through a
+    file store under ``out``); every rank must exit cleanly and write ``out/rank{RANK}.json``, returned in rank
+    order."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), str(rank), str(world), str(out / "store"), str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for rank in range(world)
+    ]  # fmt: skip
+    logs = [p.communicate(timeout=timeout)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]

@@ -8,15 +8,12 @@ blocks in the same simulated ring, bf16, against SDPA. Then
 rank's positions against one-process attention, fp64 (1e-12) and fp32 (1e-5).
 """
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from procs import run_workers
 
 from forge_lightning.distributed.context_parallel import (
     ContextParallel,
@@ -29,28 +26,14 @@ from forge_lightning.distributed.context_parallel import (
 WORKER = Path(__file__).with_name("cp_worker.py")
 
 
-def _launch(out: Path, world: int) -> list[dict]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(WORKER), str(rank), str(world), str(out / "store"), str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for rank in range(world)
-    ]  # fmt: skip
-    logs = [p.communicate(timeout=300)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world)]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("cp"), 2)
+    return run_workers(WORKER, 2, tmp_path_factory.mktemp("cp"))
 
 
 @pytest.fixture(scope="module")
 def results4(tmp_path_factory):
-    return _launch(tmp_path_factory.mktemp("cp4"), 4)
+    return run_workers(WORKER, 4, tmp_path_factory.mktemp("cp4"))
 
 
 @pytest.mark.parametrize("case", ["contiguous", "load_balanced", "packed_documents"])

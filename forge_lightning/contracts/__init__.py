@@ -32,6 +32,7 @@ from forge_lightning.contracts.megatron import (
 )
 from forge_lightning.contracts.module import (
     ConfiguredModule,
+    ContextParallelModule,
     ExportableModule,
     GenerativeModule,
     MeasuredModule,
@@ -71,6 +72,7 @@ __all__ = [
     "STEP_TOKENS",
     "Component",
     "Composition",
+    "ContextParallelModule",
     "DataParallelLayout",
     "ExportableModule",
     "GenerativeModule",

@@ -13,6 +13,8 @@ what is missing, instead of probing attributes. A family's module implements the
                                                   VideoSamplingCallback, VideoPredictionWriter
     ExportableModule   save_pretrained(path)      HFExport
     MegatronModule     megatron_model(build)      MegatronStrategy (see contracts/megatron.py)
+    ContextParallelModule  enable_context_parallel(cp)
+                                                  native strategies with context_parallel_size > 1
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import Tensor
 
 if TYPE_CHECKING:
     from forge_lightning.contracts.plan import ParallelPlan
+    from forge_lightning.distributed.context_parallel import ContextParallel
     from forge_lightning.performance import PerformanceConfig
 
 
@@ -35,6 +38,21 @@ class PlannedModule(Protocol):
     """A module that declares its components, repeated blocks, tensor-parallel plan and frozen parts."""
 
     def parallel_plan(self) -> ParallelPlan: ...
+
+
+@runtime_checkable
+class ContextParallelModule(Protocol):
+    """A module that can split each sample's token sequence over context-parallel ranks.
+
+    The strategy calls ``enable_context_parallel`` once, after tensor parallelism and before the performance
+    transforms and sharding, with this rank's group (and algorithm) in a
+    :class:`~forge_lightning.distributed.context_parallel.ContextParallel`. From then on every rank of the group
+    receives the same samples; the module's forwards keep one slice of the sequence per rank, and its loss (on the
+    gathered output, or per slice) must give gradients that, summed over the group, are ``cp.size`` times one
+    process's (the strategy averages gradients over the data-parallel x context-parallel ranks).
+    """
+
+    def enable_context_parallel(self, cp: ContextParallel) -> None: ...
 
 
 @runtime_checkable

@@ -1,9 +1,12 @@
 """``FSDP2Strategy``: FSDP2 / HSDP (``fully_shard``) with optional tensor parallelism, from the module's plan.
 
-The device mesh has three named dimensions::
+The device mesh has four named dimensions::
 
-    dp_replicate × dp_shard × tp          (data_parallel_size = dp_replicate × dp_shard)
-    HSDP: parameters sharded over dp_shard, replicated over dp_replicate; TP shards inside each block
+    dp_replicate × dp_shard × cp × tp     (data_parallel_size = dp_replicate × dp_shard)
+    HSDP: parameters sharded over dp_shard × cp, replicated over dp_replicate; TP shards inside each block
+    CP: the ranks of one cp group read the same samples and split each sample's token sequence (the module's
+        ``enable_context_parallel``, contracts.ContextParallelModule); FSDP shards parameters over dp_shard × cp
+        flattened (as torchtitan does), so gradients are reduced over the cp ranks too
 
 Transforms follow the one fixed order: TP (``forge_lightning.strategies.parallelize``) → the module's
 ``performance`` settings (FP8, kernels, activation checkpointing, per-block ``torch.compile``; see
@@ -34,12 +37,14 @@ from torch import nn
 from typing_extensions import override
 
 from forge_lightning.contracts import (
+    ContextParallelModule,
     ParallelPlan,
     PlannedModule,
     StrategyTraits,
     TunedModule,
     common_divisors,
 )
+from forge_lightning.distributed.context_parallel import ContextParallel
 from forge_lightning.performance import (
     PerformanceConfig,
     apply_performance,
@@ -72,6 +77,8 @@ _DTYPES = {
 # gathered while it runs; otherwise a call outside a step sees them as sharded DTensors ("aten.embedding.default
 # got mixed torch.Tensor and DTensor").
 _FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step", "generate")
+# context_parallel_type -> ContextParallel.comm_type (megatron-core's cp_comm_type names).
+CONTEXT_PARALLEL_TYPES = {"ulysses": "a2a", "ring": "p2p", "hybrid": "a2a+p2p"}
 
 
 def _dtype(name: str | None, option: str) -> torch.dtype | None:
@@ -92,6 +99,10 @@ class FSDPDims:
         data_parallel_size: data-parallel ranks (replicas x shards; ``"auto"``: world size / TP size).
         data_parallel_replicate_size: HSDP replica groups (must divide the data-parallel size).
         tensor_parallel_size: tensor-parallel ranks per data-parallel rank.
+        context_parallel_size: context-parallel ranks sharing each sample's token sequence.
+        context_parallel_type: ``ulysses``, ``ring`` or ``hybrid``.
+        context_parallel_ulysses_size: ``hybrid`` only: the Ulysses group size (divides the context-parallel size;
+            rings run across the groups).
         sequence_parallel: not supported yet (refused); see FSDP2Strategy.
         reshard_after_forward: ``True`` / ``False``, or the ranks each block is resharded to after forward (must
             divide the shard size, ``data_parallel_size / data_parallel_replicate_size``).
@@ -100,6 +111,9 @@ class FSDPDims:
     data_parallel_size: int | str = "auto"
     data_parallel_replicate_size: int = 1
     tensor_parallel_size: int = 1
+    context_parallel_size: int = 1
+    context_parallel_type: str = "ulysses"
+    context_parallel_ulysses_size: int | None = None
     sequence_parallel: bool = False
     reshard_after_forward: bool | int = True
 
@@ -109,20 +123,30 @@ class FSDPDims:
         Raises:
             ValueError: inconsistent degrees, all of them named in the message.
         """
-        tp, replicate = self.tensor_parallel_size, self.data_parallel_replicate_size
-        dp = world_size // max(tp, 1) if self.data_parallel_size == "auto" else int(self.data_parallel_size)
+        tp, replicate, cp = (
+            self.tensor_parallel_size,
+            self.data_parallel_replicate_size,
+            self.context_parallel_size,
+        )
+        auto = self.data_parallel_size == "auto"
+        dp = world_size // max(tp * cp, 1) if auto else int(self.data_parallel_size)
+        ulysses = self.context_parallel_ulysses_size
         degrees = (
             f"data_parallel_size={self.data_parallel_size} (resolved {dp}), data_parallel_replicate_size="
-            f"{replicate}, tensor_parallel_size={tp}, world size={world_size}"
+            f"{replicate}, context_parallel_size={cp} ({self.context_parallel_type}"
+            f"{'' if ulysses is None else f', ulysses size {ulysses}'}), tensor_parallel_size={tp}, world size="
+            f"{world_size}"
         )
-        if min(dp, replicate, tp) < 1:
+        if min(dp, replicate, tp, cp) < 1:
             raise ValueError(f"every parallel degree must be at least 1: {degrees}")
-        if dp * tp != world_size:
+        if dp * cp * tp != world_size:
             raise ValueError(
-                f"data_parallel_size x tensor_parallel_size must equal the world size: {degrees}"
+                "data_parallel_size x context_parallel_size x tensor_parallel_size must equal the world size: "
+                f"{degrees}"
             )
         if dp % replicate != 0:
             raise ValueError(f"data_parallel_replicate_size must divide data_parallel_size: {degrees}")
+        self._validate_context_parallel(degrees)
         if self.sequence_parallel:
             # Attention and the layers the plan keeps replicated (MLA, routed experts) would see only their rank's
             # share of the sequence, and nothing sums those layers' gradients over the tensor-parallel ranks.
@@ -139,6 +163,29 @@ class FSDPDims:
             )
         return dp
 
+    def _validate_context_parallel(self, degrees: str) -> None:
+        cp, kind, ulysses = (
+            self.context_parallel_size,
+            self.context_parallel_type,
+            self.context_parallel_ulysses_size,
+        )
+        if kind not in CONTEXT_PARALLEL_TYPES:
+            raise ValueError(
+                f"context_parallel_type ({kind!r}) must be one of {', '.join(CONTEXT_PARALLEL_TYPES)}: {degrees}"
+            )
+        if kind != "hybrid":
+            if ulysses is not None:
+                raise ValueError(
+                    f"context_parallel_ulysses_size is for context_parallel_type 'hybrid': {degrees}"
+                )
+            return
+        if ulysses is None or not 1 < ulysses < cp or cp % ulysses:
+            raise ValueError(
+                "context_parallel_type 'hybrid' needs context_parallel_ulysses_size, a divisor of "
+                f"context_parallel_size between 1 and it (Ulysses inside groups of that many ranks, ring across the "
+                f"groups; one of {[d for d in common_divisors(cp) if 1 < d < cp]}): {degrees}"
+            )
+
 
 class FSDP2Strategy(ModelParallelStrategy):
     """Fully sharded data parallelism (FSDP2), HSDP and FSDP × TP, applied from the module's ``parallel_plan()``.
@@ -153,6 +200,14 @@ class FSDP2Strategy(ModelParallelStrategy):
         data_parallel_replicate_size: HSDP replica groups; parameters are sharded over
             ``data_parallel_size / data_parallel_replicate_size`` ranks and replicated across groups.
             ``"auto"``: the number of nodes (shard within a node, replicate across nodes).
+        context_parallel_size: ranks that split each sample's token sequence (context parallelism; the mesh's
+            ``cp`` dimension, between ``dp_shard`` and ``tp``). They read the same samples (the data-parallel size
+            excludes them) and FSDP shards parameters over ``dp_shard x cp``. The module must implement
+            ``enable_context_parallel`` (:class:`~forge_lightning.contracts.ContextParallelModule`).
+        context_parallel_type: ``ulysses`` (all-to-all of heads; the module's heads must divide the size),
+            ``ring`` (key / value blocks passed around the ranks; any head count) or ``hybrid`` (Ulysses inside
+            groups of ``context_parallel_ulysses_size`` ranks, ring across them).
+        context_parallel_ulysses_size: the Ulysses group size of ``hybrid``.
         sequence_parallel: not supported yet, refused (attention and the layers the plan keeps replicated would
             see only their rank's share of the sequence); with TP the residual stream stays replicated.
         param_dtype: compute dtype of the gathered parameters (``bf16``, ``fp32``...; ``None``: as stored).
@@ -198,6 +253,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         tensor_parallel_size: int = 1,
         data_parallel_replicate_size: int | Literal["auto"] = 1,
         *,
+        context_parallel_size: int = 1,
+        context_parallel_type: str = "ulysses",
+        context_parallel_ulysses_size: int | None = None,
         sequence_parallel: bool = False,
         param_dtype: str | None = None,
         reduce_dtype: str | None = None,
@@ -227,6 +285,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             timeout=timeout,
         )
         self.data_parallel_replicate_size = data_parallel_replicate_size
+        self.context_parallel = (context_parallel_size, context_parallel_type, context_parallel_ulysses_size)
         self.sequence_parallel = sequence_parallel
         self.mp_dtypes = (
             _dtype(param_dtype, "param_dtype"),
@@ -276,25 +335,29 @@ class FSDP2Strategy(ModelParallelStrategy):
             data_parallel_size=self._data_parallel_size,
             data_parallel_replicate_size=self.data_parallel_replicate_size,
             tensor_parallel_size=tp,
+            context_parallel_size=self.context_parallel[0],
+            context_parallel_type=self.context_parallel[1],
+            context_parallel_ulysses_size=self.context_parallel[2],
             sequence_parallel=self.sequence_parallel,
             reshard_after_forward=self.reshard_after_forward,
         )
         dp = dims.validate(self.world_size)
         self._setup_distributed()
         self._data_parallel_size, self._tensor_parallel_size = dp, tp
-        shard = dp // self.data_parallel_replicate_size
+        shard, cp = dp // self.data_parallel_replicate_size, self.context_parallel[0]
         from torch.distributed.device_mesh import init_device_mesh
 
         self._device_mesh = init_device_mesh(
             self.root_device.type,
-            (self.data_parallel_replicate_size, shard, tp),
-            mesh_dim_names=("dp_replicate", "dp_shard", "tp"),
+            (self.data_parallel_replicate_size, shard, cp, tp),
+            mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
         )
         dp_mesh = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
-        self._dp_group = None if tp == 1 else dp_mesh.get_group()
+        self._device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        self._dp_group = None if tp * cp == 1 else dp_mesh.get_group()
         rank_zero_info(
             f"{type(self).__name__}: mesh dp_replicate={self.data_parallel_replicate_size} x dp_shard={shard} x "
-            f"tp={tp} over {self.world_size} processes"
+            f"cp={cp} ({self.context_parallel[1]}) x tp={tp} over {self.world_size} processes"
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -328,6 +391,17 @@ class FSDP2Strategy(ModelParallelStrategy):
         return self._require_mesh("tensor_parallel_size")["tp"].size()
 
     @property
+    def context_parallel_size(self) -> int:
+        """Number of context-parallel ranks (sharing each sample's token sequence)."""
+        return self._require_mesh("context_parallel_size")["cp"].size()
+
+    def context_parallel_groups(self) -> ContextParallel:
+        """This rank's context-parallel group and algorithm (see :func:`context_parallel_of`). Collective when
+        ``hybrid``."""
+        _, kind, ulysses = self.context_parallel
+        return context_parallel_of(self._require_mesh("context_parallel_groups"), kind, ulysses)
+
+    @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.data_parallel_size, "rank": self.data_parallel_rank}
@@ -350,6 +424,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
         self.check_plan(_plan_of(self.model))  # before the weights are built
+        _check_context_parallel(self.model, self.context_parallel[0])
         materialize_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -395,6 +470,10 @@ class FSDP2Strategy(ModelParallelStrategy):
         if mesh["tp"].size() > 1:
             skip = [c.name for c in unsharded + replicated]
             par.apply_tensor_parallel(plan, mesh["tp"], sequence_parallel=self.sequence_parallel, skip=skip)
+        if mesh["cp"].size() > 1:
+            _check_context_parallel(module, mesh["cp"].size())
+            module.enable_context_parallel(self.context_parallel_groups())
+            rank_zero_info(f"context parallelism: {self.context_parallel[1]} over {mesh['cp'].size()} ranks")
         perf = module.performance if isinstance(module, TunedModule) else PerformanceConfig()
         self._fp8_all_gather = perf.fp8 is not None and perf.fp8.fsdp_all_gather
         applied = apply_performance(plan, perf, self.root_device) | {"fp8.fsdp_all_gather"}
@@ -407,7 +486,8 @@ class FSDP2Strategy(ModelParallelStrategy):
 
         param, reduce, output = self.mp_dtypes
         mesh = self.device_mesh
-        dp_mesh = mesh["dp_replicate", "dp_shard"] if mesh["dp_replicate"].size() > 1 else mesh["dp_shard"]
+        shard = "dp_shard_cp" if mesh["cp"].size() > 1 else "dp_shard"
+        dp_mesh = mesh["dp_replicate", shard] if mesh["dp_replicate"].size() > 1 else mesh[shard]
         offload = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda") if self.cpu_offload else None
         return {
             "mesh": dp_mesh,
@@ -419,9 +499,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         """``replicate x 1`` mesh over this rank's data-parallel peers (FSDP2 then all-reduces gradients)."""
         from torch.distributed.device_mesh import DeviceMesh
 
-        ranks_RST = self.device_mesh.mesh
-        tp = ranks_RST.shape[2]
-        ranks_TD1 = ranks_RST.permute(2, 0, 1).reshape(tp, -1, 1)
+        ranks_RSCT = self.device_mesh.mesh
+        tp = ranks_RSCT.shape[3]
+        ranks_TD1 = ranks_RSCT.permute(3, 0, 1, 2).reshape(tp, -1, 1)
         names = ("replicate_tp", "replicate", "replicate_shard")
         return DeviceMesh(self.root_device.type, ranks_TD1, mesh_dim_names=names)[
             "replicate", "replicate_shard"
@@ -597,6 +677,43 @@ def _plan_of(module: nn.Module) -> ParallelPlan:
             "module's ParallelPlan (see forge_lightning.contracts.PlannedModule)"
         )
     return module.parallel_plan()
+
+
+def context_parallel_of(mesh: Any, kind: str, ulysses: int | None = None) -> ContextParallel:
+    """The :class:`ContextParallel` of this rank on a ``dp_replicate x dp_shard x cp x tp`` device mesh: its ``cp``
+    group (contiguous sequence chunks) and, for ``hybrid``, its Ulysses groups of ``ulysses`` consecutive cp ranks
+    and rings across them (megatron's hierarchical layout: cp rank = ring rank x ``ulysses`` + Ulysses rank).
+    Collective when ``hybrid``: every rank builds every sub-group.
+
+    Args:
+        mesh: the strategy's device mesh.
+        kind: ``ulysses``, ``ring`` or ``hybrid`` (:data:`CONTEXT_PARALLEL_TYPES`).
+        ulysses: the Ulysses group size of ``hybrid``.
+    """
+    from torch.distributed.device_mesh import DeviceMesh
+
+    comm = CONTEXT_PARALLEL_TYPES[kind]
+    if kind != "hybrid":
+        return ContextParallel(mesh["cp"].get_group(), comm_type=comm)
+    R, S, C, T = mesh.mesh.shape
+    ranks = mesh.mesh.reshape(R, S, C // ulysses, ulysses, T)
+    names = ("hybrid_replicate", "hybrid_shard", "cp_ring", "cp_ulysses", "hybrid_tp")
+    sub = DeviceMesh(mesh.device_type, ranks, mesh_dim_names=names)
+    return ContextParallel(
+        mesh["cp"].get_group(),
+        comm_type=comm,
+        a2a_group=sub["cp_ulysses"].get_group(),
+        p2p_group=sub["cp_ring"].get_group(),
+    )
+
+
+def _check_context_parallel(module: nn.Module, size: int) -> None:
+    if size > 1 and not isinstance(module, ContextParallelModule):
+        raise TypeError(
+            f"context_parallel_size={size}, but {type(module).__name__} does not implement "
+            "enable_context_parallel(cp) (forge_lightning.contracts.ContextParallelModule): it cannot split its "
+            "token sequence over ranks; use context_parallel_size: 1"
+        )
 
 
 def _set_prefetch(blocks: list[nn.Module], forward: int, backward: int) -> None:

@@ -6,7 +6,8 @@ saved to disk in the Wan checkpoint layout, over mp4 clips written with PyAV (CP
 * the module's loss equals a hand computation with diffusers' ``WanTransformer3DModel`` on the same weights,
   noise and noise levels (the loss of the diffusers / DiffSynth training scripts);
 * ``Trainer.fit`` lowers the fixed-sigma validation loss;
-* ``python -m forge_lightning fit`` on 2 gloo processes under FSDP2Strategy gives the losses of one process;
+* ``python -m forge_lightning fit`` on 2 gloo processes under FSDP2Strategy gives the losses of one process, also
+  with ``context_parallel_size: 2`` (each rank half of every video's tokens);
 * the parallel plan checkpoints every block and leaves the gradients unchanged.
 """
 
@@ -156,23 +157,32 @@ def test_fit_lowers_the_fixed_sigma_validation_loss():
     assert trainer.validate(module, loader, verbose=False)[0]["val/loss"] == after["val/loss"]
 
 
-RECIPE = REPO / "configs" / "diffusion" / "debug" / "cache_fsdp2.yaml"
+RECIPES = REPO / "configs" / "diffusion" / "debug"
 
 
-def _launch(case: dict, name: str, devices: int, strategy: dict | str) -> tuple[dict[int, float], str]:
-    """The debug recipe on ``devices`` processes (global batch 2), its cache pointed at the case's: the losses by
-    step and the log."""
+def _launch(
+    case: dict,
+    name: str,
+    devices: int,
+    strategy: dict | str | None = None,
+    recipe: str = "cache_fsdp2.yaml",
+    data_parallel: int | None = None,
+) -> tuple[dict[int, float], str]:
+    """A debug recipe on ``devices`` processes (``data_parallel`` of them data-parallel, default all; global batch
+    2), its cache pointed at the case's: the losses by step and the log. ``strategy``: the recipe's if ``None``."""
     root = case["root"]
-    config = yaml.safe_load(RECIPE.read_text())
-    config["trainer"].update(
-        devices=devices, strategy=strategy, enable_progress_bar=False, enable_model_summary=False
-    )
+    config = yaml.safe_load((RECIPES / recipe).read_text())
+    config["trainer"].update(devices=devices, enable_progress_bar=False, enable_model_summary=False)
+    if strategy is not None:
+        config["trainer"]["strategy"] = strategy
     config["trainer"]["logger"] = {
         "class_path": "lightning.pytorch.loggers.CSVLogger",
         "init_args": {"save_dir": str(root), "name": name},
     }
     config["data"]["init_args"].update(
-        cache=str(root / "features"), cache_config=str(root / "precompute.yaml"), batch_size=2 // devices
+        cache=str(root / "features"),
+        cache_config=str(root / "precompute.yaml"),
+        batch_size=2 // (data_parallel or devices),
     )
     path = root / f"{name}.yaml"
     path.write_text(json.dumps(config))
@@ -185,13 +195,34 @@ def _launch(case: dict, name: str, devices: int, strategy: dict | str) -> tuple[
     return losses, proc.stdout + proc.stderr
 
 
-def test_fsdp2_on_two_processes_matches_one(case):
-    one, _ = _launch(case, "one", 1, "auto")
-    two, log = _launch(case, "fsdp2", 2, {"class_path": "forge_lightning.strategies.FSDP2Strategy"})
-    assert "dp_shard=2" in log and "fully_shard: 2 blocks" in log  # the DiT's blocks sharded over 2 ranks
+@pytest.fixture(scope="module")
+def one_process(case) -> dict[int, float]:
+    """The losses of the debug recipe on one process."""
+    return _launch(case, "one", 1, "auto")[0]
+
+
+def _assert_same_losses(one: dict[int, float], two: dict[int, float]) -> None:
     assert sorted(one) == sorted(two) == [0, 1, 2] and len(set(one.values())) == 3
     deltas = {step: abs(one[step] - two[step]) for step in one}
     assert max(deltas.values()) <= 2e-6, deltas
+
+
+def test_fsdp2_on_two_processes_matches_one(case, one_process):
+    two, log = _launch(case, "fsdp2", 2, {"class_path": "forge_lightning.strategies.FSDP2Strategy"})
+    assert "dp_shard=2" in log and "fully_shard: 2 blocks" in log  # the DiT's blocks sharded over 2 ranks
+    _assert_same_losses(one_process, two)
+
+
+@pytest.mark.parametrize("kind", ["ulysses", "ring"])
+def test_fsdp2_context_parallel_on_two_processes_matches_one(case, one_process, kind):
+    """configs/diffusion/debug/cache_fsdp2_cp.yaml (Ulysses; ring by override): 1 data-parallel rank x 2
+    context-parallel ranks."""
+    recipe = yaml.safe_load((RECIPES / "cache_fsdp2_cp.yaml").read_text())["trainer"]["strategy"]
+    strategy = {**recipe, "init_args": {**recipe["init_args"], "context_parallel_type": kind}}
+    two, log = _launch(case, f"fsdp2_cp_{kind}", 2, strategy, "cache_fsdp2_cp.yaml", data_parallel=1)
+    assert f"dp_shard=1 x cp=2 ({kind})" in log and f"context parallelism: {kind} over 2 ranks" in log
+    assert "fully_shard: 2 blocks + root over 2 ranks" in log  # parameters sharded over dp_shard x cp
+    _assert_same_losses(one_process, two)
 
 
 def test_activation_checkpointing_per_block_keeps_gradients():

@@ -55,8 +55,28 @@ FSDP_WORLD = [
     (
         4,
         dict(tensor_parallel_size=3),
-        r"data_parallel_size x tensor_parallel_size must equal the world size: data_parallel_size=auto "
-        r"\(resolved 1\), .*tensor_parallel_size=3, world size=4",
+        r"data_parallel_size x context_parallel_size x tensor_parallel_size must equal the world size: "
+        r"data_parallel_size=auto \(resolved 1\), .*tensor_parallel_size=3, world size=4",
+    ),
+    (
+        2,
+        dict(data_parallel_size=2, context_parallel_size=2),
+        r"x context_parallel_size x .* must equal the world size: .*context_parallel_size=2 \(ulysses\), .*world size=2",
+    ),
+    (
+        2,
+        dict(context_parallel_size=2, context_parallel_type="stripe"),
+        r"context_parallel_type \('stripe'\) must be one of ulysses, ring, hybrid",
+    ),
+    (
+        4,
+        dict(context_parallel_size=4, context_parallel_type="hybrid"),
+        r"'hybrid' needs context_parallel_ulysses_size.*one of \[2\]\): .*context_parallel_size=4 \(hybrid\)",
+    ),
+    (
+        2,
+        dict(context_parallel_size=2, context_parallel_ulysses_size=2),
+        r"context_parallel_ulysses_size is for context_parallel_type 'hybrid': .*ulysses size 2",
     ),
     (
         8,
@@ -92,6 +112,11 @@ def test_fsdp2_degrees_that_fit_resolve():
     assert FSDPDims(tensor_parallel_size=2).validate(4) == 2
     assert FSDPDims(data_parallel_replicate_size=2, reshard_after_forward=2).validate(8) == 8
     assert FSDPDims(reshard_after_forward=False).validate(3) == 3
+    assert FSDPDims(context_parallel_size=2, tensor_parallel_size=2).validate(8) == 2  # dp excludes cp and tp
+    hybrid = FSDPDims(
+        context_parallel_size=4, context_parallel_type="hybrid", context_parallel_ulysses_size=2
+    )
+    assert hybrid.validate(8) == 2
 
 
 # ---------------------------------------------------------------------------------------- FSDP2 TP, model

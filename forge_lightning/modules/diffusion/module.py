@@ -38,7 +38,7 @@ import hashlib
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
 import torch
@@ -73,6 +73,9 @@ from forge_lightning.optim import (
 )
 from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.performance import PerformanceConfig, configure_performance, resolve_for
+
+if TYPE_CHECKING:
+    from forge_lightning.distributed.context_parallel import ContextParallel
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
 """Noise levels at which validation measures the loss (with fixed noise per sample)."""
@@ -393,6 +396,14 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
     def configure_model(self) -> None:
         if self._trainer is not None:
             configure_performance(self)
+
+    def enable_context_parallel(self, cp: ContextParallel) -> None:
+        """Split each video's patch tokens over ``cp``'s ranks from now on (the strategy's context parallelism;
+        :class:`~forge_lightning.contracts.ContextParallelModule`). The DiT gathers its prediction back before
+        unpatchify, so the loss is computed on the whole prediction on every rank of the group."""
+        from forge_lightning.distributed.split_sequence import SplitSequence
+
+        self.dit.set_sequence_layout(SplitSequence(cp))
 
     def parallel_plan(self) -> ParallelPlan:
         """One component, ``dit``, whose blocks are the Wan transformer blocks (the unit of FSDP wrapping,

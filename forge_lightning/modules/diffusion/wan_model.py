@@ -16,6 +16,12 @@ Each block: adaLN-modulated self-attention (q / k RMSNorm across heads, 3-D RoPE
 :meth:`WanDiT.forward_packed` runs several videos of different sizes as one token sequence: self-attention within
 each video (a non-causal :class:`~forge_lightning.modules.layers.DocumentMask`), cross-attention of each video's
 tokens to its own text and image tokens, RoPE and modulation per video.
+
+Both forwards read the token sequence's layout (:mod:`forge_lightning.modules.layers.sequence`): whole by default;
+with context parallelism (:meth:`WanDiT.set_sequence_layout`) each rank keeps its slice of the patch tokens (with
+its RoPE rows and per-token modulation) from the patch embedding to the output projection, self-attention runs
+over the ranks, cross-attention stays local (each slice's queries attend to the whole text), and the output is
+gathered before unpatchify.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +38,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forge_lightning.modules.diffusion.wan_config import WanDiTConfig
-from forge_lightning.modules.layers.attention import DocumentMask, attention
+from forge_lightning.modules.layers.attention import attention
 from forge_lightning.modules.layers.init import reset_owned_parameters
 from forge_lightning.modules.layers.norms import RMSNorm
 from forge_lightning.modules.layers.rope import apply_rotary
+from forge_lightning.modules.layers.sequence import WholeSequence
 
 
 class FP32LayerNorm(nn.LayerNorm):
@@ -130,23 +137,25 @@ class CrossContext:
 
 
 class WanSelfAttention(nn.Module):
-    """Self-attention with q / k RMSNorm over all heads and 3-D RoPE (diffusers' ``attn1``)."""
+    """Self-attention with q / k RMSNorm over all heads and 3-D RoPE (diffusers' ``attn1``); the attention itself
+    runs through the model's sequence ``layout`` (whole, or split over context-parallel ranks)."""
 
     def __init__(self, dim: int, num_heads: int, eps: float) -> None:
         super().__init__()
         self.num_heads = num_heads
+        self.layout = WholeSequence()
         self.to_q, self.to_k, self.to_v = nn.Linear(dim, dim), nn.Linear(dim, dim), nn.Linear(dim, dim)
         self.to_out = nn.ModuleList([nn.Linear(dim, dim), nn.Identity()])
         self.norm_q, self.norm_k = RMSNorm(dim, eps), RMSNorm(dim, eps)
 
-    def forward(self, x_BSD: Tensor, rope: tuple[Tensor, Tensor], documents: DocumentMask | None) -> Tensor:
+    def forward(self, x_BSD: Tensor, rope: tuple[Tensor, Tensor], documents: Any) -> Tensor:
         B, S, D = x_BSD.shape
         q_BSHD = self.norm_q(self.to_q(x_BSD)).unflatten(-1, (self.num_heads, -1))
         k_BSHD = self.norm_k(self.to_k(x_BSD)).unflatten(-1, (self.num_heads, -1))
         v_BSHD = self.to_v(x_BSD).unflatten(-1, (self.num_heads, -1))
         q_BSHD, k_BSHD = rotate_interleaved(q_BSHD, *rope), rotate_interleaved(k_BSHD, *rope)
         q, k, v = q_BSHD.transpose(1, 2), k_BSHD.transpose(1, 2), v_BSHD.transpose(1, 2)  # [B, H, S, Dh]
-        out_BHSD = attention(q, k, v, causal=False, documents=documents)
+        out_BHSD = self.layout.attention(q, k, v, documents)
         return self.to_out[0](out_BHSD.transpose(1, 2).reshape(B, S, D))
 
 
@@ -229,7 +238,7 @@ class WanBlock(nn.Module):
         context: CrossContext,
         modulation_BT6D: Tensor,
         rope: tuple[Tensor, Tensor],
-        documents: DocumentMask | None = None,
+        documents: Any = None,
     ) -> Tensor:
         mod = (self.scale_shift_table[None] + modulation_BT6D.float()).unbind(2)  # 6 x [B, T, D]
         shift_msa, scale_msa, gate_msa, shift_ffn, scale_ffn, gate_ffn = mod
@@ -334,7 +343,14 @@ class WanDiT(nn.Module):
         self.norm_out = FP32LayerNorm(dim, config.eps, elementwise_affine=False)
         self.proj_out = nn.Linear(dim, config.out_channels * math.prod(patch))
         self.scale_shift_table = nn.Parameter(torch.empty(1, 2, dim))
+        self.layout = WholeSequence()
         self.reset_parameters()
+
+    def set_sequence_layout(self, layout: WholeSequence) -> None:
+        """Run the token sequence in ``layout`` from now on (e.g. split over context-parallel ranks)."""
+        self.layout = layout
+        for block in self.blocks:
+            block.attn1.layout = layout
 
     def reset_parameters(self) -> None:
         """Wan's initialisation of the layers outside the blocks (each block initialises its own): Xavier-uniform
@@ -409,9 +425,8 @@ class WanDiT(nn.Module):
         context = CrossContext(text_BLD, self._embed_image(encoder_hidden_states_image))
         rope = self.rope(grid_positions(*grid, device=x_BSD.device))
         temb_BTD, modulation_BT6D = self.condition_embedder.time(timesteps_BT, text_BLD.dtype)
-        for block in self.blocks:
-            x_BSD = block(x_BSD, context, modulation_BT6D, rope)
-        out_BSP = self._head(x_BSD, temb_BTD)
+        documents = self.layout.mask(x_BSD, None, self.config.attention_backend)
+        out_BSP = self._run_blocks(x_BSD, context, temb_BTD, modulation_BT6D, rope, documents)
         return self._unpatchify(out_BSP, grid)
 
     def forward_packed(
@@ -465,14 +480,38 @@ class WanDiT(nn.Module):
             text_BLD, image_BND, _cross_mask(video_of_token, [len(t) for t in texts]), image_mask
         )
         rope = self.rope(torch.cat([grid_positions(*g, device=device) for g in grids]))
-        documents = DocumentMask.build(
-            video_of_token[None], self.config.attention_backend, causal=False, varying_shapes=True
-        )
+        documents = self.layout.mask(x_BSD, video_of_token[None], self.config.attention_backend)
         temb_BTD, modulation_BT6D = self.condition_embedder.time(timesteps_BT, text_BLD.dtype)
-        for block in self.blocks:
-            x_BSD = block(x_BSD, context, modulation_BT6D, rope, documents)
-        out_BSP = self._head(x_BSD, temb_BTD)
+        out_BSP = self._run_blocks(x_BSD, context, temb_BTD, modulation_BT6D, rope, documents)
         return [self._unpatchify(o, g)[0] for o, g in zip(out_BSP.split(lengths, dim=1), grids, strict=True)]
+
+    def _run_blocks(
+        self,
+        x_BSD: Tensor,
+        context: CrossContext,
+        temb_BTD: Tensor,
+        modulation_BT6D: Tensor,
+        rope: tuple[Tensor, Tensor],
+        documents: Any,
+    ) -> Tensor:
+        """The blocks and the head on this rank's part of the tokens (with their RoPE rows, per-token modulation
+        and cross-attention mask rows), gathered back to the whole sequence: ``[B, S, out * prod(p)]``."""
+        layout, S = self.layout, x_BSD.shape[1]
+        x_BsD = layout.split(x_BSD, 1)
+        rope = (layout.split(rope[0], 0), layout.split(rope[1], 0))
+        if modulation_BT6D.shape[1] > 1:  # per-token timesteps: T = S
+            temb_BTD, modulation_BT6D = layout.split(temb_BTD, 1), layout.split(modulation_BT6D, 1)
+        if context.text_mask is not None:  # padded rows see every context token (no empty softmax)
+            context = replace(
+                context,
+                text_mask=layout.split(context.text_mask, 2, fill=True),
+                image_mask=None
+                if context.image_mask is None
+                else layout.split(context.image_mask, 2, fill=True),
+            )
+        for block in self.blocks:
+            x_BsD = block(x_BsD, context, modulation_BT6D, rope, documents)
+        return layout.gather(self._head(x_BsD, temb_BTD), 1, S)
 
     def _grid(self, size: Sequence[int]) -> tuple[int, int, int]:
         """Patch counts ``(frames, rows, columns)`` of a latent of ``size`` ``(F, H, W)``."""
