@@ -17,6 +17,9 @@ from forge_lightning.cli import ForgeCLI
 REPO = Path(__file__).resolve().parent.parent
 TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
 ALL_CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
+# `forge-data precompute` configs (a feature cache's data and frozen modules) sit beside the recipes that read them.
+PRECOMPUTE_CONFIGS = [p for p in ALL_CONFIGS if p.name == "precompute.yaml"]
+FIT_CONFIGS = [p for p in ALL_CONFIGS if p not in PRECOMPUTE_CONFIGS]
 
 
 def _data_args(corpus):
@@ -30,11 +33,33 @@ def _print_config(args, capsys):
     return yaml.safe_load(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS, ids=[str(p.relative_to(REPO)) for p in ALL_CONFIGS])
+@pytest.mark.parametrize("config", FIT_CONFIGS, ids=[str(p.relative_to(REPO)) for p in FIT_CONFIGS])
 def test_every_shipped_config_parses(config, capsys):
     resolved = _print_config(["fit", "--config", str(config), "--print_config"], capsys)
     assert resolved["model"]["class_path"].startswith("forge_lightning.")
     assert "optimizer" in resolved and "scheduler" in resolved
+    cache_config = (resolved["data"].get("init_args") or {}).get("cache_config") or ""
+    if cache_config.startswith(
+        "configs/"
+    ):  # a shipped recipe's cache is checked against a shipped precompute YAML
+        assert REPO / cache_config in PRECOMPUTE_CONFIGS, cache_config
+
+
+@pytest.mark.parametrize(
+    "config", PRECOMPUTE_CONFIGS, ids=[str(p.relative_to(REPO)) for p in PRECOMPUTE_CONFIGS]
+)
+def test_every_shipped_precompute_config_parses(config):
+    from forge_lightning.datamodules.diffusion.buckets import parse_buckets
+    from forge_lightning.datamodules.diffusion.precompute import load_precompute_config
+
+    parsed = load_precompute_config(config)
+    data = parsed.data
+    assert parse_buckets(
+        data.buckets, temporal_stride=data.temporal_stride, spatial_stride=data.spatial_stride
+    )
+    assert [m.name for m in parsed.modules] and all(
+        m.target.startswith(("forge_lightning.", "diffusers.", "transformers.")) for m in parsed.modules
+    )
 
 
 def test_print_config_applies_overrides(capsys):
