@@ -58,7 +58,9 @@ the last 20 steps with ``diffusers:diffsynth``'s (column "loss vs ref"), e.g. at
 ``DIR/<row>.json`` and the top kernels printed (``step_profile.py``). Each row runs in a child process of its own
 (clean peak memory and compile caches); a row that fails (out of memory, a refused option) or runs past
 ``--row-timeout`` seconds is recorded as failed and the run goes on. Prints one table last; writes
-``benchmarks/results/diffusion_throughput_<shape>[_loss].json`` (``--out``) after every row. ``--tiny --device
+``benchmarks/results/diffusion_throughput_<shape>[_loss].json`` (``--out``) after every row; ``--append`` adds
+the rows to those already in ``--out`` (same shape, video and mode), so that rows run by several commands (each
+within a time limit) share one table and its ratios. ``--tiny --device
 cpu`` checks the script on a CPU.
 """
 
@@ -74,11 +76,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-# This script's folder goes last on the path: its kernels.py would shadow the `kernels` package diffusers imports.
-_HERE = os.path.realpath(os.path.dirname(__file__))
-sys.path = [p for p in sys.path if os.path.realpath(p or ".") != _HERE] + [_HERE]
-import harness  # noqa: E402
-import step_profile  # noqa: E402
+import harness  # this script's directory is on sys.path (last, once harness is imported)
+import step_profile
 
 REPO = Path(__file__).resolve().parents[1]
 DIFFUSERS_ROW, OUR_ROW, FIT_ROW = "diffusers", "ours", "forge-fit"
@@ -102,6 +101,12 @@ SHAPES: dict[str, dict[str, Any]] = {
 }
 """The DiT preset, the VAE's (frame, height, width) stride, the default video (frames, height, width) and the text
 tokens of each shape."""
+# Python packages each row imports (forge_lightning's own dependencies for every row; the forge-fit row runs the CLI).
+NEEDS = {
+    DIFFUSERS_ROW: ("torch", "lightning", "safetensors", "xxhash", "yaml", "diffusers"),
+    OUR_ROW: ("torch", "lightning", "safetensors", "xxhash", "yaml"),
+    FIT_ROW: ("torch", "lightning", "safetensors", "xxhash", "yaml", "jsonargparse"),
+}
 
 
 # ----- shapes and inputs (identical in every child) ----------------------------------------------------------
@@ -459,6 +464,24 @@ def _child(args: argparse.Namespace, row: str) -> dict[str, Any]:
     return {**result, "seconds": run.seconds}
 
 
+def _earlier_rows(out: Path, meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """``--append``: the rows of an earlier run's JSON at ``out``, which must be of the same shape and video.
+
+    Raises:
+        SystemExit: ``out`` is of another shape, video size or mode.
+    """
+    if not out.is_file():
+        return []
+    earlier = json.loads(out.read_text())
+    keys = ("shape", "video", "latents", "loss_steps")
+    differ = [k for k in keys if earlier["meta"].get(k) != meta.get(k)]
+    if differ:
+        found = ", ".join(f"{k} {earlier['meta'].get(k)!r} (this run: {meta.get(k)!r})" for k in differ)
+        raise SystemExit(f"--append: {out} holds another run ({found}): give another --out")
+    meta["earlier_commands"] = [*earlier["meta"].get("earlier_commands", []), earlier["meta"]["command"]]
+    return earlier["results"]
+
+
 def tail_loss(row: dict[str, Any], steps: int = 20) -> float:
     """Mean loss of the last ``steps`` steps (less noisy than the last step alone)."""
     tail = row["losses"][-steps:]
@@ -541,7 +564,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--row-timeout", type=float, default=600.0, help="seconds before a row is killed")
+    parser.add_argument("--row-timeout", type=float, default=300.0, help="seconds before a row is killed")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="add the rows to those of --out (a run of the same shape and video)",
+    )
     parser.add_argument("--profile", default=None, metavar="DIR", help="profile 2 steps of the first row")
     parser.add_argument("--work-dir", default="data/diffusion_work", help="feature cache, recipe and logs")
     parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/...)")
@@ -568,12 +596,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def missing_packages(rows: list[str], args: argparse.Namespace) -> list[str]:
+    """The packages the rows import that this Python lacks (checked before any row starts)."""
+    import importlib.util
+
+    needed = {module for row in rows for module in NEEDS[parse_row(row, args)[0]]}
+    return sorted(m for m in needed if importlib.util.find_spec(m) is None)
+
+
 def main() -> None:
     args = parse_args()
     if args.child:
         with harness.errors_reported():
             harness.emit_result(run_row(args, args.child))
         return
+    missing = missing_packages(args.rows, args)
+    if missing:
+        raise SystemExit(
+            f"the rows need Python packages this interpreter lacks: {', '.join(missing)} (install them)"
+        )
     sys.path.insert(0, str(REPO))
     config = dit_config(args)
     latents = latent_shape(args, config)
@@ -593,8 +634,8 @@ def main() -> None:
     )
     print(describe, flush=True)
     meta = {"gpu": gpu, **harness.run_meta(__file__), "shape": shape, "video": size, "latents": list(latents)}
-    meta["tokens_per_video"] = tokens_per_video(config, latents)
-    results: list[dict[str, Any]] = []
+    meta.update(tokens_per_video=tokens_per_video(config, latents), loss_steps=args.loss_steps)
+    results = _earlier_rows(out, meta) if args.append else []
     for row in args.rows:
         results.append(_child(args, row))
         shown = {k: v for k, v in results[-1].items() if k not in ("losses", "profile")}
