@@ -373,7 +373,8 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
     if name == FIT_ROW:
         import diffusion_fit_row
 
-        return {"row": row, **diffusion_fit_row.run(args, settings, shape_name(args), latents)}
+        fit = diffusion_fit_row.run(args, settings, shape_name(args), latents)
+        return {"row": row, **fit, "gpu": harness.machine(args.device.startswith("cuda"))}
     cuda = args.device.startswith("cuda")
     count = args.loss_steps or args.warmup + args.steps
     profile = 2 if args.profile and row == args.rows[0] else 0
@@ -427,6 +428,7 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
         "last_loss": loss_values[-1],
         "losses": loss_values,
         "init_checksum": init_checksum,
+        "gpu": harness.machine(cuda),
         "params": sum(p.numel() for p in model.parameters()),
         **result,
     }
@@ -626,18 +628,25 @@ def main() -> None:
         / "results"
         / f"diffusion_throughput_{shape}{'_loss' if args.loss_steps else ''}.json"
     )
-    gpu = harness.machine(args.device.startswith("cuda"))
     size = f"{args.frames}x{args.height}x{args.width}"
     describe = (
         f"{shape} (preset {SHAPES[shape]['preset']}), video {size} -> latents {list(latents)}, "
         f"{tokens_per_video(config, latents)} tokens per video, {args.text_tokens} text tokens, batch {args.batch}"
     )
     print(describe, flush=True)
-    meta = {"gpu": gpu, **harness.run_meta(__file__), "shape": shape, "video": size, "latents": list(latents)}
+    # The device's name comes from the rows: CUDA initialised here would hold GPU memory the rows need.
+    meta = {
+        "gpu": None,
+        **harness.run_meta(__file__),
+        "shape": shape,
+        "video": size,
+        "latents": list(latents),
+    }
     meta.update(tokens_per_video=tokens_per_video(config, latents), loss_steps=args.loss_steps)
     results = _earlier_rows(out, meta) if args.append else []
     for row in args.rows:
         results.append(_child(args, row))
+        meta["gpu"] = meta["gpu"] or results[-1].get("gpu")
         shown = {k: v for k, v in results[-1].items() if k not in ("losses", "profile")}
         print(json.dumps(shown), flush=True)
         if "profile" in results[-1]:
@@ -650,7 +659,7 @@ def main() -> None:
         if args.loss_steps
         else f"{args.steps} timed steps"
     )
-    print(f"\n{describe}, {what}, {gpu}, torch {meta['torch']}; {out}")
+    print(f"\n{describe}, {what}, {meta['gpu']}, torch {meta['torch']}; {out}")
     print(table(results, loss=bool(args.loss_steps)))
 
 
