@@ -492,19 +492,13 @@ def tail_loss(row: dict[str, Any], steps: int = 20) -> float:
 
 def table(results: list[dict[str, Any]], loss: bool) -> str:
     """One line per row. Speed: samples/s against each diffusers reference. Loss: the last-20 mean loss against
-    ``diffusers:diffsynth``'s (or the first diffusers row's)."""
+    the reference's, ``diffusers:diffsynth`` (or the first diffusers row; its line says ``ref``)."""
     refs = {name: harness.reference_row(results, lambda r, n=name: r["row"] == n) for name in REFERENCES}
     if loss:
         ref = refs["diffusers:diffsynth"] or harness.reference_row(
             results, lambda r: r["row"].startswith(DIFFUSERS_ROW)
         )
-        columns = [
-            "row",
-            "setting",
-            "first loss",
-            "last-20 loss",
-            f"loss vs ref ({ref['row'] if ref else '-'})",
-        ]
+        columns = ["row", "setting", "first loss", "last-20 loss", "loss vs ref (%)"]
     else:
         columns = [
             "row",
@@ -521,7 +515,7 @@ def table(results: list[dict[str, Any]], loss: bool) -> str:
         if "error" in r:
             lines.append([r["row"], harness.failed(r["error"])])
         elif loss:
-            change = harness.change(tail_loss(r), tail_loss(ref)) if ref else "-"
+            change = "ref" if r is ref else harness.change(tail_loss(r), tail_loss(ref)) if ref else "-"
             lines.append([r["row"], r["setting"], f"{r['first_loss']:.4f}", f"{tail_loss(r):.4f}", change])
         else:
             line = [

@@ -37,7 +37,9 @@ REPO = Path(__file__).resolve().parents[1]
 # The scripts' folder goes last on the import path: its kernels.py would shadow the `kernels` package (Hugging Face
 # kernels) that diffusers and transformers import when it is installed. The scripts' own modules still import.
 _HERE = os.path.realpath(os.path.dirname(__file__))
-sys.path[:] = [p for p in sys.path if os.path.realpath(p or ".") != _HERE] + [_HERE]
+_OTHERS = [p for p in sys.path if os.path.realpath(p or ".") != _HERE]
+if len(_OTHERS) < len(sys.path):
+    sys.path[:] = [*_OTHERS, _HERE]
 # Dense bf16 peak of the H200 (the same as the H100 SXM's): the denominator of every MFU the benchmarks report.
 PEAK_TFLOPS = 989.0
 T = TypeVar("T")

@@ -5,6 +5,7 @@ Also: the benchmarks import nothing from the test suite.
 """
 
 import ast
+import importlib.util
 import json
 import math
 import os
@@ -165,6 +166,54 @@ def test_diffusion_throughput_script_runs_every_row_kind(tmp_path):
     )
     assert lines[-5].startswith("| diffusers:diffsynth |") and "| 1.00x |" in lines[-5]
     assert lines[-2].startswith("| ours:eager,attn=bogus | failed: ValueError: attn=bogus")
+
+
+@pytest.fixture
+def diffusion_script(monkeypatch):
+    """``benchmarks/diffusion_throughput.py`` imported (its folder on the path, as when it runs)."""
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(
+        "diffusion_throughput", BENCHMARKS / "diffusion_throughput.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_diffusion_throughput_shapes_rows_and_loss_table(diffusion_script):
+    """The real shapes' latents and token counts (480x832x81: Wan 2.1 32,760 tokens, Wan 2.2 8,190; 704x1280x121:
+    27,280), the row options refused by name, and the loss table against the reference's last-20 mean."""
+    bench = diffusion_script
+    args = bench.parse_args(["--rows", "ours"])
+    config = bench.dit_config(args)
+    assert bench.latent_shape(args, config) == (16, 21, 60, 104)
+    assert bench.tokens_per_video(config, bench.latent_shape(args, config)) == 32760
+    args = bench.parse_args(["--shape", "wan2.2-5b", "--rows", "ours"])
+    config = bench.dit_config(args)
+    assert bench.latent_shape(args, config) == (48, 21, 30, 52)
+    assert bench.tokens_per_video(config, bench.latent_shape(args, config)) == 8190
+    args = bench.parse_args(["--shape", "wan2.2-5b", "--frames", "121", "--height", "704", "--width", "1280"])
+    assert bench.tokens_per_video(config, bench.latent_shape(args, config)) == 27280
+    with pytest.raises(SystemExit, match="a width divisible by 32"):
+        bench.latent_shape(bench.parse_args(["--shape", "wan2.2-5b", "--width", "840"]), config)
+    with pytest.raises(SystemExit, match="name the variant, diffusers:diffsynth or diffusers:bf16"):
+        bench.parse_args(["--rows", "diffusers"])
+    with pytest.raises(SystemExit, match="unknown option 'ac=some'; ours takes ac=none"):
+        bench.parse_args(["--rows", "ours:ac=some"])
+    with pytest.raises(SystemExit, match="the forge-fit row draws its own noise"):
+        bench.parse_args(["--loss-steps", "10", "--rows", "forge-fit"])
+    rows = [
+        {"row": "diffusers:diffsynth", "setting": "a", "first_loss": 2.0, "losses": [2.0] * 10 + [1.0] * 20},
+        {"row": "ours:ac=selective", "setting": "b", "first_loss": 2.0, "losses": [2.0] * 10 + [1.01] * 20},
+        {"row": "ours:attn=fa4", "error": "ValueError: attn=fa4 refused"},
+    ]
+    lines = bench.table(rows, loss=True).splitlines()
+    assert lines[0] == "| row | setting | first loss | last-20 loss | loss vs ref (%) |"
+    assert lines[2:] == [
+        "| diffusers:diffsynth | a | 2.0000 | 1.0000 | ref |",
+        "| ours:ac=selective | b | 2.0000 | 1.0100 | +1.00% |",
+        "| ours:attn=fa4 | failed: ValueError: attn=fa4 refused |",
+    ]
 
 
 @pytest.fixture(scope="module")
