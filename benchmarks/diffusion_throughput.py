@@ -54,14 +54,15 @@ the last 20 steps with ``diffusers:diffsynth``'s (column "loss vs ref"), e.g. at
     python benchmarks/diffusion_throughput.py --shape wan2.1-1.3b --frames 17 --height 240 --width 416 \\
         --loss-steps 200 --lr 1e-4 --rows diffusers:diffsynth diffusers:bf16 ours:ac=selective
 
-``--profile DIR`` records 2 steps of the first row after its timed steps with ``torch.profiler``: a Chrome trace
-``DIR/<row>.json`` and the top kernels printed (``step_profile.py``). Each row runs in a child process of its own
-(clean peak memory and compile caches); a row that fails (out of memory, a refused option) or runs past
-``--row-timeout`` seconds is recorded as failed and the run goes on. Prints one table last; writes
-``benchmarks/results/diffusion_throughput_<shape>[_loss].json`` (``--out``) after every row; ``--append`` adds
-the rows to those already in ``--out`` (same shape, video and mode), so that rows run by several commands (each
-within a time limit) share one table and its ratios. ``--tiny --device
-cpu`` checks the script on a CPU.
+``--profile DIR`` records 2 steps of the first row after its timed steps with ``torch.profiler``: a gzipped Chrome
+trace ``DIR/<row>.json.gz`` (``chrome://tracing``, Perfetto) and the top kernels printed (``step_profile.py``).
+
+Each row runs in a child process of its own (clean peak memory and compile caches); a row that fails (out of
+memory, a refused option) or runs past ``--row-timeout`` seconds is recorded as failed and the run goes on. Prints
+one table last; writes ``benchmarks/results/diffusion_throughput_<shape>[_loss].json`` (``--out``) after every row;
+``--append`` adds the rows to those already in ``--out`` (same shape, video and mode), so that rows run by several
+commands (each within a time limit) share one table and its ratios. ``--tiny --device cpu`` checks the script on a
+CPU.
 """
 
 from __future__ import annotations
@@ -434,13 +435,18 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
     }
 
 
+def file_name(row: str) -> str:
+    """A row's name as a file name of letters, digits, ``.``, ``_`` and ``-`` (``ours:ac=full`` -> ``ours_ac_full``)."""
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", row)
+
+
 def _profile(
     args: argparse.Namespace, row: str, step: Callable, batches: list, done: int, cuda: bool
 ) -> dict:
     """Two more steps under ``torch.profiler``: the Chrome trace in ``--profile`` and the kernel summary."""
     folder = Path(args.profile)
     folder.mkdir(parents=True, exist_ok=True)
-    trace = folder / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", row) + ".json")
+    trace = folder / (file_name(row) + ".json.gz")
     profiler = step_profile.StepProfiler(done, len(batches), cuda, trace=str(trace))
     profiler.after_step(done)
     for extra, batch in enumerate(batches, done + 1):
@@ -457,7 +463,7 @@ def _child(args: argparse.Namespace, row: str) -> dict[str, Any]:
     run = harness.run_child(
         command, env, timeout=args.row_timeout, timeout_message="row killed after {:.0f} s"
     )
-    log = Path(args.work_dir) / "logs" / (re.sub(r"[^A-Za-z0-9_.=-]+", "_", row) + ".log")
+    log = Path(args.work_dir) / "logs" / (file_name(row) + ".log")
     log.parent.mkdir(parents=True, exist_ok=True)
     log.write_text(run.stdout + run.stderr)
     result = run.result()

@@ -5,6 +5,7 @@ Also: the benchmarks import nothing from the test suite.
 """
 
 import ast
+import gzip
 import importlib.util
 import json
 import math
@@ -158,7 +159,8 @@ def test_diffusion_throughput_script_runs_every_row_kind(tmp_path):
         "forge fit configs/diffusion/wan2.1-t2v-1.3b/sft_fsdp2.yaml: 1 device, AC none"
     )
     assert fit["samples_per_s"] > 0 and fit["tflops"] > 0 and fit["timed_steps"] == 5
-    trace = json.loads(Path(diffsynth["profile"]["trace"]).read_text())
+    assert Path(diffsynth["profile"]["trace"]).name == "diffusers_diffsynth.json.gz"
+    trace = json.loads(gzip.decompress(Path(diffsynth["profile"]["trace"]).read_bytes()))
     assert trace["traceEvents"] and diffsynth["profile"]["top_kernels"]
     lines = stdout.strip().splitlines()
     assert lines[-7] == (
