@@ -398,16 +398,9 @@ def run_row(args: argparse.Namespace, row: str) -> dict[str, Any]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.detach())
 
-    warmup = min(args.warmup, count - 1)
-    timer = harness.StepTimer(warmup, count - warmup, cuda)
-    timer.after_step(0)
-    for done, batch in enumerate(batches[:count], 1):
-        step(batch)
-        timer.after_step(done)
+    timer = harness.run_steps(step, batches[:count], min(args.warmup, count - 1), cuda)
     peak = harness.peak_memory_gb(cuda)
-    result: dict[str, Any] = {}
-    if profile:
-        result["profile"] = _profile(args, row, step, batches[count:], count, cuda)
+    result = {"profile": _profile(args, row, step, batches[count:], count, cuda)} if profile else {}
     stats = flops_per_step(args, config)
     tflops = harness.tflops(stats["flops"] / timer.step_s)
     loss_values = [float(x) for x in losses[:count]]  # the profiled steps after them left out
