@@ -31,7 +31,8 @@ so the rows' ``init_checksum`` match. Rows (``--rows``):
   ``attn=V``: ``sdpa`` (the default: SDPA, cuDNN first on CUDA), ``cudnn`` / ``flash`` / ``efficient`` / ``math``
   (``performance.attention.sdpa: [V]``), any other value becomes ``performance.attention.kernel: V`` (e.g.
   ``fa4``); a value this build's ``performance`` section does not accept fails that row with the config's error
-  and the run goes on.
+  and the run goes on. Where ``performance.attention`` has that ``kernel`` option, the SDPA values set it to
+  ``sdpa`` too, so that the row runs SDPA whatever ``auto`` would pick.
 - ``forge-fit`` / ``forge-fit:ac=none``: the product path, ``python -m forge_lightning fit`` of the shape's recipe
   (``configs/diffusion/<model>/sft_fsdp2.yaml``) on one device from a synthetic feature cache
   (``benchmarks/diffusion_fit_row.py`` says what it changes); throughput from ``ThroughputMonitor``. Its noise
@@ -87,6 +88,8 @@ DIFFUSERS_VARIANTS = ("diffsynth", "bf16")
 REFERENCES = ("diffusers:diffsynth", "diffusers:bf16")
 AC_CHOICES = ("none", "selective", "full")
 SDPA_CHOICES = ("cudnn", "flash", "efficient", "math")
+# The attention config's dense-kernel option an `attn=` value other than SDPA's goes to (e.g. `fa4`).
+KERNEL_FIELD = "kernel"
 SHAPES: dict[str, dict[str, Any]] = {
     # https://huggingface.co/Wan-AI/Wan2.1-T2V-1.3B-Diffusers: VAE stride 4x8x8, 16 latent channels
     "wan2.1-1.3b": {"preset": "wan2.1-t2v-1.3b", "stride": (4, 8, 8), "video": (81, 480, 832), "text": 512},
@@ -242,15 +245,20 @@ def build_diffusers(args: argparse.Namespace, variant: str, config: Any) -> tupl
 
 def our_performance(settings: argparse.Namespace) -> dict[str, Any]:
     """The ``performance`` section of an ``ours`` row (see the module docstring for the options)."""
+    from forge_lightning.performance.config import AttentionConfig
+
     performance: dict[str, Any] = {}
     if settings.ac in AC_CHOICES:
         performance["activation_checkpointing"] = settings.ac
     if settings.compile is not None:
         performance["compile"] = settings.compile
+    has_kernel = KERNEL_FIELD in {f.name for f in dataclasses.fields(AttentionConfig)}
     if settings.attn in SDPA_CHOICES:
         performance["attention"] = {"sdpa": [settings.attn]}
     elif settings.attn != "sdpa":
-        performance["attention"] = {"kernel": settings.attn}
+        performance["attention"] = {KERNEL_FIELD: settings.attn}
+    if has_kernel and settings.attn in ("sdpa", *SDPA_CHOICES):  # SDPA, whatever `auto` would pick
+        performance.setdefault("attention", {})[KERNEL_FIELD] = "sdpa"
     return performance
 
 
