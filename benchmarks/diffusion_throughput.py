@@ -262,6 +262,35 @@ def our_performance(settings: argparse.Namespace) -> dict[str, Any]:
     return performance
 
 
+def performance_config(settings: argparse.Namespace) -> Any:
+    """The ``PerformanceConfig`` of an ``ours`` row.
+
+    Raises:
+        ValueError: this build's ``performance`` section refuses the row's options (e.g. an unknown ``attn=``).
+    """
+    from forge_lightning.performance import PerformanceConfig
+
+    section = our_performance(settings)
+    try:
+        return PerformanceConfig(**section)
+    except (TypeError, ValueError) as error:
+        raise ValueError(
+            f"attn={settings.attn}: performance {section} is refused by this build: {error}"
+        ) from None
+
+
+def refusal(args: argparse.Namespace, row: str) -> dict[str, Any] | None:
+    """The failed result of an ``ours`` row whose ``performance`` section is refused, found before starting it."""
+    name, settings = parse_row(row, args)
+    if name != OUR_ROW:
+        return None
+    try:
+        performance_config(settings)
+    except ValueError as error:
+        return {"row": row, "error": f"ValueError: {error}".splitlines()[0]}
+    return None
+
+
 def build_ours(
     args: argparse.Namespace, settings: argparse.Namespace, config: Any
 ) -> tuple[Any, Callable, dict, Any]:
@@ -270,16 +299,10 @@ def build_ours(
 
     from forge_lightning.contracts import Component, ParallelPlan
     from forge_lightning.modules.diffusion import WanDiffusionModule
-    from forge_lightning.performance import PerformanceConfig, apply_performance, resolve
+    from forge_lightning.performance import apply_performance, resolve
     from forge_lightning.performance.transforms import apply_activation_checkpointing
 
-    section = our_performance(settings)
-    try:
-        performance = PerformanceConfig(**section)
-    except (TypeError, ValueError) as error:
-        raise ValueError(
-            f"attn={settings.attn}: performance {section} is refused by this build: {error}"
-        ) from None
+    performance = performance_config(settings)
     with torch.device("meta"):
         module = WanDiffusionModule(
             config=config, flow_matching={"shift": args.shift}, performance=performance
@@ -646,7 +669,7 @@ def main() -> None:
     meta.update(tokens_per_video=tokens_per_video(config, latents), loss_steps=args.loss_steps)
     results = _earlier_rows(out, meta) if args.append else []
     for row in args.rows:
-        results.append(_child(args, row))
+        results.append(refusal(args, row) or _child(args, row))
         meta["gpu"] = meta["gpu"] or results[-1].get("gpu")
         shown = {k: v for k, v in results[-1].items() if k not in ("losses", "profile")}
         print(json.dumps(shown), flush=True)
