@@ -17,8 +17,16 @@ from forge_lightning.cli import ForgeCLI
 REPO = Path(__file__).resolve().parent.parent
 TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
 ALL_CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
-# `forge-data precompute` configs (a feature cache's data and frozen modules) sit beside the recipes that read them.
-PRECOMPUTE_CONFIGS = [p for p in ALL_CONFIGS if p.name == "precompute.yaml"]
+
+
+def _is_precompute_config(path: Path) -> bool:
+    """A `forge-data precompute` config: a feature cache's data and frozen modules, no model (it sits beside the
+    recipe that reads the cache)."""
+    keys = set(yaml.safe_load(path.read_text()) or {})
+    return {"data", "modules"} <= keys and "model" not in keys
+
+
+PRECOMPUTE_CONFIGS = [p for p in ALL_CONFIGS if _is_precompute_config(p)]
 FIT_CONFIGS = [p for p in ALL_CONFIGS if p not in PRECOMPUTE_CONFIGS]
 
 
