@@ -18,6 +18,7 @@ Only the standard library is imported at module level (torch where a function ne
 from __future__ import annotations
 
 import contextlib
+import csv
 import json
 import os
 import re
@@ -33,6 +34,12 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parents[1]
+# The scripts' folder goes last on the import path: its kernels.py would shadow the `kernels` package (Hugging Face
+# kernels) that diffusers and transformers import when it is installed. The scripts' own modules still import.
+_HERE = os.path.realpath(os.path.dirname(__file__))
+_OTHERS = [p for p in sys.path if os.path.realpath(p or ".") != _HERE]
+if len(_OTHERS) < len(sys.path):
+    sys.path[:] = [*_OTHERS, _HERE]
 # Dense bf16 peak of the H200 (the same as the H100 SXM's): the denominator of every MFU the benchmarks report.
 PEAK_TFLOPS = 989.0
 T = TypeVar("T")
@@ -439,3 +446,72 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         return proc.communicate()
+
+
+# ----- the forge-fit rows -------------------------------------------------------------------------------------
+def fit_metrics(metrics_csv: str | Path) -> dict[str, Any]:
+    """What a ``forge fit`` run's ``ThroughputMonitor`` logged: the means over its windows of ``throughput/*``,
+    the last window's ``memory/peak_gb``, and the logged ``train/loss`` values.
+
+    Args:
+        metrics_csv: the run's ``CSVLogger`` ``metrics.csv``.
+
+    Raises:
+        RuntimeError: the file holds no throughput window (the run was too short for one).
+    """
+    metrics_csv = Path(metrics_csv)
+    with metrics_csv.open() as f:
+        rows = list(csv.DictReader(f))
+    windows = [r for r in rows if r.get("throughput/tokens_per_sec")]
+    if not windows:
+        raise RuntimeError(f"{metrics_csv} holds no throughput window: train longer (--steps)")
+
+    def mean(key: str) -> float:
+        return sum(float(r[key]) for r in windows) / len(windows)
+
+    return {
+        "tokens_per_s": mean("throughput/tokens_per_sec"),
+        "samples_per_s": mean("throughput/samples_per_sec"),
+        "tflops": mean("throughput/tflops_per_device")
+        if windows[0].get("throughput/tflops_per_device")
+        else 0.0,
+        "step_s": mean("throughput/step_time_s"),
+        "data_wait_pct": mean("throughput/data_wait_pct"),
+        "peak_mem_gb": float(windows[-1]["memory/peak_gb"]),
+        "windows": len(windows),
+        "losses": [float(r["train/loss"]) for r in rows if r.get("train/loss")],
+    }
+
+
+def forge_fit(recipe: str | Path, work: str | Path) -> tuple[list[str], dict[str, Any]]:
+    """Runs ``python -m forge_lightning fit --config recipe`` in ``work`` (this repository first on
+    ``PYTHONPATH``), keeps its output in ``work/fit.log`` and reads its :func:`fit_metrics` from the
+    ``metrics.csv`` under ``work/run`` (the recipe's logger must write there; an earlier run's is removed first).
+
+    Args:
+        recipe: the recipe YAML, already changed for the benchmark.
+        work: the run's folder.
+
+    Returns:
+        The command line and the measured metrics.
+
+    Raises:
+        RuntimeError: ``forge fit`` failed (its output's tail in the message), or logged no throughput window.
+    """
+    import shutil
+
+    work = Path(work)
+    shutil.rmtree(work / "run", ignore_errors=True)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+    }
+    command = [sys.executable, "-m", "forge_lightning", "fit", "--config", str(recipe)]
+    done = subprocess.run(command, env=env, cwd=work, capture_output=True, text=True)
+    (work / "fit.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise RuntimeError(f"forge fit exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}")
+    found = sorted((work / "run").rglob("metrics.csv"))
+    if not found:
+        raise RuntimeError(f"forge fit wrote no metrics.csv under {work / 'run'} (see {work / 'fit.log'})")
+    return command, fit_metrics(found[0])

@@ -144,10 +144,11 @@ class StepProfiler:
         first: steps done when recording starts (the warm-up).
         steps: steps to record (0: never record).
         cuda: whether the steps run on a CUDA device (kernels recorded and the device synchronised at the end).
+        trace: also write the recorded steps as a Chrome trace (``chrome://tracing``, Perfetto) to this file.
     """
 
-    def __init__(self, first: int, steps: int, cuda: bool) -> None:
-        self.first, self.steps, self.cuda = first, steps, cuda
+    def __init__(self, first: int, steps: int, cuda: bool, trace: str | None = None) -> None:
+        self.first, self.steps, self.cuda, self.trace = first, steps, cuda, trace
         self.summary: dict[str, Any] | None = None
         self._profiler: Any = None
         self._start = 0.0
@@ -166,5 +167,7 @@ class StepProfiler:
                 torch.cuda.synchronize()
             wall = time.perf_counter() - self._start
             self._profiler.__exit__(None, None, None)
+            if self.trace is not None:
+                self._profiler.export_chrome_trace(self.trace)
             self.summary = summarize(self._profiler, self.steps, wall, self.cuda)
             self._profiler = None

@@ -14,12 +14,7 @@ the row is compared on real tokens/s, not on its loss.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -115,32 +110,6 @@ def write_recipe(args: argparse.Namespace, files: dict[str, Path], work: Path, m
     return path
 
 
-def _mean_metrics(metrics_csv: Path) -> dict[str, float]:
-    """Means of the measured windows' ``throughput/*`` and the last ``memory/peak_gb``, and the losses."""
-    with metrics_csv.open() as f:
-        rows = list(csv.DictReader(f))
-    windows = [r for r in rows if r.get("throughput/tokens_per_sec")]
-    if not windows:
-        raise RuntimeError(f"{metrics_csv} holds no throughput window: train longer (--steps)")
-
-    def mean(key: str) -> float:
-        return sum(float(r[key]) for r in windows) / len(windows)
-
-    losses = [float(r["train/loss"]) for r in rows if r.get("train/loss")]
-    return {
-        "tokens_per_s": mean("throughput/tokens_per_sec"),
-        "samples_per_s": mean("throughput/samples_per_sec"),
-        "tflops": mean("throughput/tflops_per_device")
-        if windows[0].get("throughput/tflops_per_device")
-        else 0.0,
-        "step_s": mean("throughput/step_time_s"),
-        "data_wait_pct": mean("throughput/data_wait_pct"),
-        "peak_mem_gb": float(windows[-1]["memory/peak_gb"]),
-        "windows": len(windows),
-        "losses": losses,
-    }
-
-
 def run(args: argparse.Namespace, base_config: dict[str, Any], work: Path) -> dict[str, Any]:
     """Write the data and recipe, run ``forge fit`` in a child process, and read its throughput windows."""
     import harness
@@ -152,19 +121,9 @@ def run(args: argparse.Namespace, base_config: dict[str, Any], work: Path) -> di
     count = max(
         64, 2 * rows_per_step * max_steps * args.seq_length // max(1, sum(args.text_tokens) // 2 + 400)
     )
-    shutil.rmtree(work / "run", ignore_errors=True)  # a run before this one would leave its metrics there
     files = write_data(args, base_config, work, count)
     recipe = write_recipe(args, files, work, max_steps)
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
-    }
-    command = [sys.executable, "-m", "forge_lightning", "fit", "--config", str(recipe)]
-    done = subprocess.run(command, env=env, cwd=work, capture_output=True, text=True)
-    (work / "fit.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise RuntimeError(f"forge fit exited {done.returncode}: {(done.stdout + done.stderr)[-3000:]}")
-    measured = _mean_metrics(next((work / "run").rglob("metrics.csv")))
+    command, measured = harness.forge_fit(recipe, work)
     tflops = measured["tflops"]
     return {
         "setting": f"forge fit {RECIPE.relative_to(REPO)}: 1 device, seq_length {args.seq_length}, "

@@ -19,6 +19,17 @@ TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
 ALL_CONFIGS = sorted((REPO / "configs").rglob("*.yaml"))
 
 
+def _is_precompute_config(path: Path) -> bool:
+    """A `forge-data precompute` config: a feature cache's data and frozen modules, no model (it sits beside the
+    recipe that reads the cache)."""
+    keys = set(yaml.safe_load(path.read_text()) or {})
+    return {"data", "modules"} <= keys and "model" not in keys
+
+
+PRECOMPUTE_CONFIGS = [p for p in ALL_CONFIGS if _is_precompute_config(p)]
+FIT_CONFIGS = [p for p in ALL_CONFIGS if p not in PRECOMPUTE_CONFIGS]
+
+
 def _data_args(corpus):
     return ["--data.data_prefix", str(corpus["prefix"]), "--data.tokenizer", str(corpus["tokenizer"])]
 
@@ -30,11 +41,33 @@ def _print_config(args, capsys):
     return yaml.safe_load(capsys.readouterr().out)
 
 
-@pytest.mark.parametrize("config", ALL_CONFIGS, ids=[str(p.relative_to(REPO)) for p in ALL_CONFIGS])
+@pytest.mark.parametrize("config", FIT_CONFIGS, ids=[str(p.relative_to(REPO)) for p in FIT_CONFIGS])
 def test_every_shipped_config_parses(config, capsys):
     resolved = _print_config(["fit", "--config", str(config), "--print_config"], capsys)
     assert resolved["model"]["class_path"].startswith("forge_lightning.")
     assert "optimizer" in resolved and "scheduler" in resolved
+    cache_config = (resolved["data"].get("init_args") or {}).get("cache_config") or ""
+    if cache_config.startswith(
+        "configs/"
+    ):  # a shipped recipe's cache is checked against a shipped precompute YAML
+        assert REPO / cache_config in PRECOMPUTE_CONFIGS, cache_config
+
+
+@pytest.mark.parametrize(
+    "config", PRECOMPUTE_CONFIGS, ids=[str(p.relative_to(REPO)) for p in PRECOMPUTE_CONFIGS]
+)
+def test_every_shipped_precompute_config_parses(config):
+    from forge_lightning.datamodules.diffusion.buckets import parse_buckets
+    from forge_lightning.datamodules.diffusion.precompute import load_precompute_config
+
+    parsed = load_precompute_config(config)
+    data = parsed.data
+    assert parse_buckets(
+        data.buckets, temporal_stride=data.temporal_stride, spatial_stride=data.spatial_stride
+    )
+    assert [m.name for m in parsed.modules] and all(
+        m.target.startswith(("forge_lightning.", "diffusers.", "transformers.")) for m in parsed.modules
+    )
 
 
 def test_print_config_applies_overrides(capsys):
