@@ -10,7 +10,7 @@ traces through them (one opaque node each) and activation checkpointing recomput
 
 Layouts are FA4's: dense ``[B, S, H, D]``; varlen ``[T, H, D]`` (the batch's tokens flattened) with
 ``cu_seqlens`` ``[num_documents + 1]`` int32 offsets and the longest document ``max_seqlen``. Inputs in
-bf16 / fp16, head dims multiples of 8 up to 128 (query, key and value alike). Which calls reach these ops is
+bf16 / fp16, head dims 64 or 128 (query, key and value alike; see ``SUPPORTED_HEAD_DIMS``). Which calls reach these ops is
 decided in ``forge_lightning.modules.layers.attention``; see docs/performance.md.
 """
 
@@ -24,7 +24,10 @@ from torch import Tensor
 
 INSTALL_HINT = "pip install flash-attn-4 (FlashAttention-4, CuTe DSL; CUDA 12.8+, a Hopper or Blackwell GPU)"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
-MAX_HEAD_DIM = 128
+SUPPORTED_HEAD_DIMS = (64, 128)
+"""Head dims checked against SDPA on an H200 (``tests/gpu/test_flash4_gpu.py``, flash-attn-4 4.0.0b36): 64 and 128
+match; at 72 (SigLIP's) the Hopper backward returned wrong query gradients (relative error 0.56, rows of zeros)
+while the forward matched, so other head dims stay on SDPA."""
 SUPPORTED_CAPABILITIES = (9, 10)
 """Compute capability majors FA4 runs on: Hopper (sm90) and Blackwell (sm100)."""
 
@@ -68,10 +71,10 @@ def inputs_unsupported(q: Tensor, k: Tensor, v: Tensor) -> str | None:
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"FlashAttention-4 takes bf16 / fp16 inputs, got {q.dtype} / {k.dtype} / {v.dtype}"
     dims = {q.shape[-1], k.shape[-1], v.shape[-1]}
-    if len(dims) != 1 or q.shape[-1] > MAX_HEAD_DIM or q.shape[-1] % 8:
+    if len(dims) != 1 or q.shape[-1] not in SUPPORTED_HEAD_DIMS:
         return (
-            f"FlashAttention-4 here takes equal query / key / value head dims, multiples of 8 up to "
-            f"{MAX_HEAD_DIM}; got {q.shape[-1]} / {k.shape[-1]} / {v.shape[-1]}"
+            f"FlashAttention-4 here takes equal query / key / value head dims of {' or '.join(map(str, SUPPORTED_HEAD_DIMS))} "
+            f"(the ones verified on Hopper); got {q.shape[-1]} / {k.shape[-1]} / {v.shape[-1]}"
         )
     if q.shape[-2] % k.shape[-2]:
         return f"key/value heads ({k.shape[-2]}) must divide query heads ({q.shape[-2]})"

@@ -101,7 +101,7 @@ def fa4(monkeypatch: pytest.MonkeyPatch) -> StandIn:
     return stand_in
 
 
-def _qkv(B=2, S=24, H=4, K=2, D=32, dtype=torch.bfloat16, kv_len=None):
+def _qkv(B=2, S=24, H=4, K=2, D=64, dtype=torch.bfloat16, kv_len=None):
     """[B, H, S, D] queries and [B, K, S_kv, D] keys / values, as the layers pass them."""
     q = torch.randn(B, S, H, D, dtype=dtype).transpose(1, 2).requires_grad_()
     k = torch.randn(B, kv_len or S, K, D, dtype=dtype).transpose(1, 2).requires_grad_()
@@ -193,7 +193,11 @@ def test_masked_and_cached_calls_stay_on_sdpa(fa4: StandIn) -> None:
 
 @pytest.mark.parametrize(
     ("dtype", "head_dim", "match"),
-    [(torch.float32, 32, "bf16 / fp16"), (torch.bfloat16, 256, "multiples of 8 up to 128")],
+    [
+        (torch.float32, 32, "bf16 / fp16"),
+        (torch.bfloat16, 256, "64 or 128"),
+        (torch.bfloat16, 72, "64 or 128"),
+    ],
 )
 def test_unsupported_inputs_raise_when_asked_and_fall_back_under_auto(
     fa4: StandIn, dtype: torch.dtype, head_dim: int, match: str
@@ -226,7 +230,7 @@ def test_cpu_tensors_are_refused_by_an_explicit_fa4(monkeypatch: pytest.MonkeyPa
 
 def test_compiled_block_traces_the_custom_ops_with_their_fake_kernels(fa4: StandIn) -> None:
     attn.set_attention_kernel("fa4")
-    proj = torch.nn.Linear(32, 32, dtype=torch.bfloat16)
+    proj = torch.nn.Linear(64, 64, dtype=torch.bfloat16)
 
     def block(q, k, v):
         return proj(attn.attention(q, k, v, causal=True))
@@ -303,8 +307,8 @@ def test_import_error_says_how_to_install() -> None:
 
 
 def test_flash4_attention_checks_its_inputs(fa4: StandIn, assert_close) -> None:
-    q = torch.randn(2, 8, 4, 32, dtype=torch.bfloat16)
-    k = torch.randn(2, 12, 4, 32, dtype=torch.bfloat16)
+    q = torch.randn(2, 8, 4, 64, dtype=torch.bfloat16)
+    k = torch.randn(2, 12, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"as many queries \(8\) as keys \(12\)"):
         flash4.flash4_attention(q, k, k, causal=True)
     with pytest.raises(ValueError, match=r"key/value heads \(3\) must divide query heads \(4\)"):
