@@ -282,7 +282,7 @@ def apply_attention_kernel(kernel: str, *, chosen: bool, note: str | None = None
     if kernel == "fa4":
         rank_zero_info(
             "attention kernel: FlashAttention-4 (calls with a mask or a KV cache use SDPA"
-            + ("; fp32 or head dims over 128 too)" if chosen else ")")
+            + ("; fp32 or head dims other than 64 and 128 too)" if chosen else ")")
         )
     elif note is not None:
         rank_zero_info(f"attention kernel: SDPA ({note})")

@@ -80,7 +80,7 @@ def set_attention_kernel(name: str, *, chosen: bool = False) -> None:
     Args:
         name: ``sdpa`` or ``fa4`` (FlashAttention-4: the device must have been checked, see
             :func:`forge_lightning.kernels.flash4.device_unsupported`).
-        chosen: picked by ``auto``: calls FA4 does not take (fp32, head dims over 128) fall back to SDPA, logged
+        chosen: picked by ``auto``: calls FA4 does not take (fp32, head dims other than 64 and 128) fall back to SDPA, logged
             once per reason; otherwise they raise.
     """
     global _kernel
@@ -197,7 +197,7 @@ class DocumentMask:
         cu_seqlens: ``[num_documents + 1]`` int32 document offsets in the flattened batch (``varlen``, ``fa4``).
         max_seqlen: longest document (``varlen``, ``fa4``).
         causal: each token attends to the earlier tokens of its document only; ``False``: to all of them.
-        chosen: the backend was picked by ``auto``: inputs it does not take (``fa4``: fp32, head dims over 128;
+        chosen: the backend was picked by ``auto``: inputs it does not take (``fa4``: fp32, head dims other than 64 and 128;
             ``varlen``: fp32) then fall back to SDPA with a dense mask; an explicit choice refuses them.
     """
 
