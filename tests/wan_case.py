@@ -100,3 +100,12 @@ def wan_module(wan: Path, **kwargs) -> WanDiffusionModule:
         scheduler={"name": "constant"},
     )
     return WanDiffusionModule(**{**options, **kwargs})
+
+
+def perturbed(module: WanDiffusionModule) -> WanDiffusionModule:
+    """``module`` with every DiT parameter moved off its initialisation (zero-initialised heads too), in place."""
+    generator = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for param in module.dit.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    return module

@@ -31,23 +31,20 @@ from diffusers import (
 )
 from diffusers.pipelines.wan import pipeline_wan_i2v
 from PIL import Image
-from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
     AutoTokenizer,
     CLIPImageProcessor,
     CLIPVisionConfig,
     CLIPVisionModel,
-    PreTrainedTokenizerFast,
-    UMT5Config,
     UMT5EncoderModel,
 )
+from wan_case import perturbed, write_encoders
 
 from forge_lightning.cli import ForgeCLI
 from forge_lightning.datamodules.diffusion import VideoCaptionConfig, VideoDiffusionDataModule, run_precompute
 from forge_lightning.modules.diffusion import WanDiffusionModule, WanImageEncoder, WanVAE
 from forge_lightning.sim.video import write_video
 
-WORDS = ["<pad>", "<unk>", "</s>", "a", "red", "blue", "clip", "of", "the", "sea", "sky"]
 CAPTIONS = ["a red clip", "a blue clip", "the sea", "the sky"]
 # 4 latent channels: in_channels 4 (noise) + 4 (first-frame mask) + 4 (condition); CLIP width 16, model width 24
 I2V_DIT = {"preset": "debug", "in_channels": 12, "out_channels": 4, "image_dim": 16, "added_kv_proj_dim": 24}
@@ -55,22 +52,7 @@ RECIPE = Path(__file__).resolve().parents[2] / "configs" / "diffusion" / "debug"
 
 
 def _write_checkpoint(root) -> None:
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
-    ).save_pretrained(root / "tokenizer")
-    torch.manual_seed(0)
-    config = UMT5Config(vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4)
-    UMT5EncoderModel(config).save_pretrained(root / "text_encoder")
-    AutoencoderKLWan(
-        base_dim=8,
-        z_dim=4,
-        dim_mult=[1, 1, 1, 1],
-        num_res_blocks=1,
-        latents_mean=[0.1, -0.2, 0.0, 0.3],
-        latents_std=[1.5, 0.5, 1.0, 2.0],
-    ).save_pretrained(root / "vae")
+    write_encoders(root)
     clip = CLIPVisionConfig(
         hidden_size=16,
         intermediate_size=32,
@@ -160,14 +142,6 @@ def _images(count: int, height: int, width: int) -> tuple[list[Image.Image], tor
     return [Image.fromarray(x) for x in rgb], tensor
 
 
-def _perturbed(module: WanDiffusionModule) -> WanDiffusionModule:
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in module.dit.parameters():
-            param.add_(0.1 * torch.randn(param.shape, generator=generator))
-    return module
-
-
 def test_condition_and_image_embeddings_match_pipeline(case):
     wan = case["wan"]
     pipe = _pipeline(
@@ -202,7 +176,7 @@ def test_generate_matches_pipeline(case, guidance, monkeypatch):
         pipeline_wan_i2v, "basic_clean", lambda text: html.unescape(html.unescape(text)).strip()
     )
     torch.manual_seed(0)
-    module = _perturbed(
+    module = perturbed(
         WanDiffusionModule(
             config=I2V_DIT,
             vae=str(wan),
@@ -290,7 +264,7 @@ def test_i2v_training_from_the_cache_equals_training_online(case):
 
 
 def test_fixed_sigma_losses_read_the_condition_and_the_image():
-    module = _perturbed(WanDiffusionModule(config=I2V_DIT))
+    module = perturbed(WanDiffusionModule(config=I2V_DIT))
     g = torch.Generator().manual_seed(5)
     batch = {
         "latents": torch.randn(2, 4, 3, 2, 2, generator=g),

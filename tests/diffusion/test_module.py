@@ -29,7 +29,7 @@ import yaml
 from diffusers import WanTransformer3DModel
 from procs import assert_clean_exit
 from torch.utils.data import DataLoader
-from wan_case import DIT, build_case, wan_module
+from wan_case import DIT, build_case, perturbed, wan_module
 
 from forge_lightning.datamodules.diffusion import VideoDiffusionDataModule
 from forge_lightning.modules.diffusion import WanDiffusionModule, sample_generator
@@ -93,16 +93,8 @@ def test_training_from_the_cache_equals_training_online(case):
         torch.testing.assert_close(b, a, rtol=0, atol=1e-6, msg=name)
 
 
-def _perturbed(module: WanDiffusionModule) -> WanDiffusionModule:
-    generator = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for param in module.dit.parameters():
-            param.add_(0.1 * torch.randn(param.shape, generator=generator))
-    return module
-
-
 def test_loss_equals_diffusers_hand_computation():
-    module = _perturbed(WanDiffusionModule(config=DIT, flow_matching={"shift": 3.0}, seed=7))
+    module = perturbed(WanDiffusionModule(config=DIT, flow_matching={"shift": 3.0}, seed=7))
     reference = WanTransformer3DModel(
         **{k: v for k, v in module.config.to_diffusers().items() if k[0] != "_"}
     )
@@ -227,7 +219,7 @@ def test_fsdp2_context_parallel_on_two_processes_matches_one(case, one_process, 
 
 def test_activation_checkpointing_per_block_keeps_gradients():
     torch.manual_seed(0)
-    plain = _perturbed(WanDiffusionModule(config=DIT, flow_matching={"text_dropout": 0.0}))
+    plain = perturbed(WanDiffusionModule(config=DIT, flow_matching={"text_dropout": 0.0}))
     checkpointed = copy.deepcopy(plain)
     plan = checkpointed.parallel_plan()
     assert [c.name for c in plan] == ["dit"] and plan.component("dit").blocks == list(checkpointed.dit.blocks)
@@ -247,7 +239,7 @@ def test_activation_checkpointing_per_block_keeps_gradients():
 
 
 def test_save_pretrained_loads_in_diffusers(tmp_path):
-    module = _perturbed(WanDiffusionModule(config=DIT))
+    module = perturbed(WanDiffusionModule(config=DIT))
     module.save_pretrained(tmp_path / "transformer")
     reference = WanTransformer3DModel.from_pretrained(tmp_path / "transformer")
     latents, text, timestep = torch.randn(1, 4, 3, 4, 4), torch.randn(1, 5, 16), torch.tensor([300.0])
