@@ -18,6 +18,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+import harness  # this script's directory is on sys.path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -26,7 +27,6 @@ RECIPES = {
     "wan2.2-5b": REPO / "configs" / "diffusion" / "wan2.2-ti2v-5b" / "sft_fsdp2.yaml",
     "debug": REPO / "configs" / "diffusion" / "wan2.1-t2v-1.3b" / "sft_fsdp2.yaml",
 }
-_WINDOW = 5  # ThroughputMonitor window (steps); its first window is warm-up
 
 
 class SyntheticFeature:
@@ -126,12 +126,7 @@ def write_recipe(
     recipe = yaml.safe_load(RECIPES[shape].read_text())
     trainer = recipe["trainer"]
     cuda = args.device.startswith("cuda")
-    trainer.update(devices=1, max_steps=max_steps, max_epochs=None, default_root_dir=str(work / "run"))
-    trainer.update(accelerator="gpu" if cuda else "cpu", log_every_n_steps=1, enable_checkpointing=False)
-    trainer["logger"]["init_args"]["save_dir"] = str(work / "run")
-    trainer["callbacks"] = [
-        {"class_path": "forge_lightning.callbacks.ThroughputMonitor", "init_args": {"window": _WINDOW}}
-    ]
+    harness.single_device_trainer(trainer, cuda=cuda, work=work, max_steps=max_steps)
     model = recipe["model"]["init_args"]
     del model["pretrained"]
     model["config"] = {"preset": SHAPES[shape]["preset"], **SHAPES[shape].get("overrides", {})}
@@ -155,13 +150,11 @@ def run(
     args: argparse.Namespace, settings: argparse.Namespace, shape: str, latents: tuple[int, ...]
 ) -> dict[str, Any]:
     """Write the cache and the recipe, run ``forge fit`` in a child process and read its throughput windows."""
-    import harness
     from diffusion_throughput import dit_config
 
     work = Path(args.work_dir).resolve() / f"fit_{shape}"
     work.mkdir(parents=True, exist_ok=True)
-    timed = _WINDOW * max(1, -(-args.steps // _WINDOW))
-    max_steps = _WINDOW + timed
+    max_steps, timed = harness.fit_steps(args.steps)
     write_cache(args, latents, dit_config(args).text_dim, work)
     recipe = write_recipe(args, settings, shape, work, max_steps)
     command, measured = harness.forge_fit(recipe, work)
@@ -171,7 +164,7 @@ def run(
         "attention": "the recipe's performance settings",
         **measured,
         "mfu": harness.mfu(measured["tflops"]),
-        "timed_steps": measured["windows"] * _WINDOW,
+        "timed_steps": measured["windows"] * harness.FIT_WINDOW,
         "first_loss": measured["losses"][0],
         "last_loss": measured["losses"][-1],
         "command": " ".join(command[1:]),

@@ -449,6 +449,27 @@ def _stop(proc: subprocess.Popen) -> tuple[str, str]:
 
 
 # ----- the forge-fit rows -------------------------------------------------------------------------------------
+FIT_WINDOW = 5
+"""Steps per ``ThroughputMonitor`` window of the ``forge-fit`` rows; their first window is warm-up."""
+
+
+def fit_steps(steps: int) -> tuple[int, int]:
+    """``(max_steps, timed_steps)`` of a ``forge-fit`` row: one warm-up window, then whole windows covering ``steps``."""
+    timed = FIT_WINDOW * max(1, -(-steps // FIT_WINDOW))
+    return FIT_WINDOW + timed, timed
+
+
+def single_device_trainer(trainer: dict[str, Any], *, cuda: bool, work: Path, max_steps: int) -> None:
+    """A recipe's ``trainer`` section changed, in place, into a ``forge-fit`` row's: one device, ``max_steps``,
+    no checkpoints, its logger under ``work / "run"`` and ``ThroughputMonitor`` as the only callback."""
+    trainer.update(devices=1, max_steps=max_steps, max_epochs=None, default_root_dir=str(work / "run"))
+    trainer.update(accelerator="gpu" if cuda else "cpu", log_every_n_steps=1, enable_checkpointing=False)
+    trainer["logger"]["init_args"]["save_dir"] = str(work / "run")
+    trainer["callbacks"] = [
+        {"class_path": "forge_lightning.callbacks.ThroughputMonitor", "init_args": {"window": FIT_WINDOW}}
+    ]
+
+
 def fit_metrics(metrics_csv: str | Path) -> dict[str, Any]:
     """What a ``forge fit`` run's ``ThroughputMonitor`` logged: the means over its windows of ``throughput/*``,
     the last window's ``memory/peak_gb``, and the logged ``train/loss`` values.

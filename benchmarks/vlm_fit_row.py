@@ -18,12 +18,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+import harness  # this script's directory is on sys.path
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "configs" / "vlm" / "qwen2.5-vl-3b" / "sft_fsdp2.yaml"
 _VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 _CONFIG_IDS = ("vision_start_token_id", "image_token_id", "vision_end_token_id", "video_token_id")
 _MAX_WORDS = 400  # distinct words of the synthetic text, each one token of the tokenizer
-_WINDOW = 5  # ThroughputMonitor window (steps); its first window is warm-up
 
 
 def _word(i: int) -> str:
@@ -83,12 +84,7 @@ def write_recipe(args: argparse.Namespace, files: dict[str, Path], work: Path, m
     recipe = yaml.safe_load(RECIPE.read_text())
     trainer = recipe["trainer"]
     cuda = args.device.startswith("cuda")
-    trainer.update(devices=1, max_steps=max_steps, max_epochs=None, default_root_dir=str(work / "run"))
-    trainer.update(accelerator="gpu" if cuda else "cpu", log_every_n_steps=1, enable_checkpointing=False)
-    trainer["logger"]["init_args"]["save_dir"] = str(work / "run")
-    trainer["callbacks"] = [
-        {"class_path": "forge_lightning.callbacks.ThroughputMonitor", "init_args": {"window": _WINDOW}}
-    ]
+    harness.single_device_trainer(trainer, cuda=cuda, work=work, max_steps=max_steps)
     model = recipe["model"]["init_args"]
     del model["pretrained"]
     model["config"] = str(files["config"])
@@ -112,10 +108,8 @@ def write_recipe(args: argparse.Namespace, files: dict[str, Path], work: Path, m
 
 def run(args: argparse.Namespace, base_config: dict[str, Any], work: Path) -> dict[str, Any]:
     """Write the data and recipe, run ``forge fit`` in a child process, and read its throughput windows."""
-    import harness
 
-    timed = _WINDOW * max(1, -(-args.steps // _WINDOW))
-    max_steps = _WINDOW + timed
+    max_steps, timed = harness.fit_steps(args.steps)
     # Each optimizer step takes accumulate_grad_batches packed rows of about seq_length tokens.
     rows_per_step = args.fit_rows or 2  # the recipe: batch_size 1 x accumulate_grad_batches 2
     count = max(
@@ -134,7 +128,7 @@ def run(args: argparse.Namespace, base_config: dict[str, Any], work: Path) -> di
         "layout": "packed (data module)",
         **measured,
         "mfu": harness.mfu(tflops),
-        "timed_steps": measured["windows"] * _WINDOW,
+        "timed_steps": measured["windows"] * harness.FIT_WINDOW,
         "first_loss": measured["losses"][0],
         "last_loss": measured["losses"][-1],
         "data_digest": None,
