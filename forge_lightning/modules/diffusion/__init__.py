@@ -27,6 +27,7 @@ _EXPORTS = {
     "sample_euler": "sampling",
     "WanTextEncoder": "encoders",
     "WanVAE": "encoders",
+    "PixelLatents": "pixels",
     "WanDiffusionModule": "module",
     "sample_generator": "module",
 }
@@ -38,6 +39,7 @@ __all__ = [
     "FlowMatchingConfig",
     "FlowMatchingSample",
     "PRESETS",
+    "PixelLatents",
     "WanBlock",
     "WanDiT",
     "WanDiTConfig",
@@ -60,6 +62,7 @@ if TYPE_CHECKING:
         FlowMatchingSample,
     )
     from forge_lightning.modules.diffusion.module import WanDiffusionModule, sample_generator
+    from forge_lightning.modules.diffusion.pixels import PixelLatents
     from forge_lightning.modules.diffusion.sampling import Denoiser, flow_match_sigmas, sample_euler
     from forge_lightning.modules.diffusion.wan_config import PRESETS, WanDiTConfig, preset
     from forge_lightning.modules.diffusion.wan_hf import load_pretrained, save_pretrained

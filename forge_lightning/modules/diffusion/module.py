@@ -421,6 +421,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         negative: Tensor | None = None,
         seed: int = 0,
         decode: bool = True,
+        compression: tuple[int, int] | None = None,
     ) -> Tensor:
         """Videos from prompts (or their embeddings ``[B, L, D]``) with the Euler sampler and classifier-free
         guidance.
@@ -436,6 +437,8 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             negative: the negative prompt's embeddings ``[B or 1, L, D]`` (default: the empty prompt's).
             seed: seeds the starting noise.
             decode: decode with the VAE when configured; otherwise (or ``False``) return the latents.
+            compression: ``(temporal, spatial)`` factors from video to latent sizes (default: the configured VAE's,
+                else Wan's ``(4, 8)``; pixel-space latents: ``(1, 1)``).
 
         Returns:
             The video ``[B, 3, F, H, W]`` in ``[-1, 1]``, or the latents ``[B, C, f, h, w]``.
@@ -447,10 +450,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         if guidance != 1.0:
             negative = self.empty_text()[None] if negative is None else negative
             negative_BLD = negative.to(self.device, dtype).expand_as(text)
-        temporal, spatial = (4, 8)
-        if self.encoder_paths["vae"] is not None:
-            vae = self.frozen("vae")
-            temporal, spatial = vae.scale_factor_temporal, vae.scale_factor_spatial
+        temporal, spatial = compression or self._compression()
         if (num_frames - 1) % temporal or height % spatial or width % spatial:
             raise ValueError(
                 f"{num_frames} frames of {height}x{width}: need 1 + {temporal}k frames and sides divisible by {spatial}"
@@ -472,6 +472,13 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             return self.frozen("vae").decode(latents)
         return latents
 
+    def _compression(self) -> tuple[int, int]:
+        """(temporal, spatial) factors of the configured VAE, else Wan's."""
+        if self.encoder_paths["vae"] is None:
+            return 4, 8
+        vae = self.frozen("vae")
+        return vae.scale_factor_temporal, vae.scale_factor_spatial
+
     # ----- optimisation and bookkeeping ------------------------------------------------------------------------
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -491,10 +498,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             B, _, F, H, W = latents.shape
         else:
             B, _, frames, height, width = batch["video"].shape
-            temporal, spatial = (4, 8)
-            if self.encoder_paths["vae"] is not None:
-                vae = self.frozen("vae")
-                temporal, spatial = vae.scale_factor_temporal, vae.scale_factor_spatial
+            temporal, spatial = self._compression()
             F, H, W = 1 + (frames - 1) // temporal, height // spatial, width // spatial
         text = batch.get("text_embeddings")
         L = text.shape[1] if text is not None else self.text_max_length
