@@ -11,11 +11,10 @@ import numpy as np
 import torch
 import yaml
 from diffusers import AutoencoderKLWan
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
 from forge_lightning.datamodules.diffusion import run_precompute
 from forge_lightning.modules.diffusion import WanDiffusionModule
+from forge_lightning.modules.diffusion.word_encoder import write_word_text_encoder
 from forge_lightning.sim.video import write_video
 
 WORDS = ["<pad>", "<unk>", "</s>", "a", "red", "blue", "clip", "of", "the", "sea", "sky"]
@@ -27,14 +26,8 @@ FLOW = {"shift": 3.0, "text_dropout": 0.3}
 
 def write_encoders(root: Path) -> None:
     """A Wan-style checkpoint root: ``tokenizer/``, ``text_encoder/`` (UMT5, width 16) and ``vae/`` (z_dim 4)."""
-    tokenizer = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="<pad>", unk_token="<unk>", eos_token="</s>"
-    ).save_pretrained(root / "tokenizer")
     torch.manual_seed(0)
-    config = UMT5Config(vocab_size=len(WORDS), d_model=16, d_kv=4, d_ff=32, num_layers=2, num_heads=4)
-    UMT5EncoderModel(config).save_pretrained(root / "text_encoder")
+    write_word_text_encoder(root, WORDS, width=16, num_layers=2, num_heads=4, seed=0)
     AutoencoderKLWan(
         base_dim=8,
         z_dim=4,

@@ -7,6 +7,8 @@ the quick-start data (tokenizer + dataset) from the Python standard library's ow
 FILE --tokenizer DIR [--template NAME] [--num N]`` prints rendered chat samples with the trained tokens highlighted.
 ``forge-data sft-quickstart --output DIR`` writes the fine-tuning quick start's chat data and tokenizer;
 ``forge-data vlm-quickstart --output DIR`` the vision-language one's images, questions and tokenizer.
+``forge-data diffusion-quickstart --output DIR`` the text-to-video one's moving-shape clips, captions, word-level
+text encoder and precompute config.
 ``forge-data vlm-pack`` packs vision-language records into rows offline (:mod:`forge_lightning.tools.vlm_pack`).
 ``forge-data precompute --config CFG.yaml --output DIR`` writes the frozen-encoder feature cache of a video-caption
 dataset (:mod:`forge_lightning.datamodules.diffusion.precompute`). Later
@@ -60,6 +62,7 @@ INPUT_SUFFIXES = (".jsonl", ".txt")
 QUICKSTART_PREFIX = "stdlib_text_document"
 QUICKSTART_TOKENIZER = "tokenizer"
 QUICKSTART_MANIFEST = "quickstart.json"
+DIFFUSION_QUICKSTART_TEXT_DIM = 16  # the word-level text encoder's width, the DiT's text_dim
 _CHUNK_BYTES = 1 << 20
 _CHUNK_DOCUMENTS = 1024
 
@@ -624,6 +627,59 @@ def vlm_quickstart(args: argparse.Namespace) -> None:
     build_vlm_quickstart(args.output, num_train=args.num_train, num_val=args.num_val, seed=args.seed)
 
 
+def build_diffusion_quickstart(
+    output_dir: str | os.PathLike, *, clips_per_caption: int = 40, seed: int = 0
+) -> dict:
+    """Write the text-to-video quick start's data: moving-shape clips with captions and the held-out prompts (see
+    :mod:`forge_lightning.datamodules.diffusion.moving_shapes`), a word-level tokenizer with a tiny random UMT5
+    (``encoder/``) and ``precompute.yaml``: pixel-space latents (``PixelLatents``) and the prompts' embeddings.
+
+    Returns:
+        Sizes of what was written.
+    """
+    import yaml
+
+    from forge_lightning.datamodules.diffusion.moving_shapes import vocabulary, write_moving_shapes
+    from forge_lightning.modules.diffusion.word_encoder import write_word_text_encoder
+
+    output = Path(output_dir)
+    record = write_moving_shapes(output, clips_per_caption=clips_per_caption, seed=seed)
+    write_word_text_encoder(output / "encoder", vocabulary(), width=DIFFUSION_QUICKSTART_TEXT_DIM, seed=seed)
+    precompute = {
+        "data": {"entries": [str(output / "train.jsonl")], "buckets": [[5, 32, 32]], "fps": 8},
+        "modules": [
+            {
+                "name": "pixels",
+                "target": "forge_lightning.modules.diffusion.PixelLatents",
+                "method": "encode",
+                "inputs": {"video_BCFHW": "video"},
+                "outputs": {"latents": ""},
+            },
+            {
+                "name": "text_encoder",
+                "target": "forge_lightning.modules.diffusion.WanTextEncoder.from_pretrained",
+                "init_args": {"path": str(output / "encoder"), "dtype": "float32", "max_length": 8},
+                "method": "encode",
+                "inputs": {"prompts": "caption"},
+                "outputs": {"text_embeddings": ""},
+            },
+        ],
+        "batch_size": 32,
+        "samples_per_shard": 512,
+    }
+    (output / "precompute.yaml").write_text(yaml.safe_dump(precompute, sort_keys=False), encoding="utf-8")
+    console.print(
+        f"diffusion quick-start data: {record['clips']} clips of {record['train_captions']} captions, "
+        f"{record['held_out_captions']} held-out captions, a word-level text encoder and precompute.yaml in {output}"
+    )
+    return record
+
+
+def diffusion_quickstart(args: argparse.Namespace) -> None:
+    """Write the text-to-video quick-start data."""
+    build_diffusion_quickstart(args.output, clips_per_caption=args.clips_per_caption, seed=args.seed)
+
+
 def precompute_features(args: argparse.Namespace) -> None:
     """Run the config's frozen modules over its video-caption data into a feature cache (resumes a cut-off run)."""
     from forge_lightning.datamodules.diffusion.precompute import run_precompute
@@ -717,6 +773,18 @@ def _add_vlm_quickstart(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=vlm_quickstart)
 
 
+def _add_diffusion_quickstart(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "diffusion-quickstart",
+        help="moving-shape clips + captions, a word-level text encoder and a precompute config for the diffusion "
+        "quick start",
+    )
+    p.add_argument("--output", type=Path, default=Path("data/diffusion_quickstart"))
+    p.add_argument("--clips-per-caption", type=_positive_int, default=40)
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=diffusion_quickstart)
+
+
 def _add_sft_quickstart(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sft-quickstart", help="unit-conversion chat data + ChatML tokenizer for the SFT quick start"
@@ -745,6 +813,7 @@ COMMANDS: list[Callable[[argparse._SubParsersAction], None]] = [
     _add_sft,
     _add_sft_quickstart,
     _add_vlm_quickstart,
+    _add_diffusion_quickstart,
     lerobot_data.add_commands,
     vlm_pack.add_commands,
     _add_precompute,

@@ -30,6 +30,7 @@ _EXPORTS = {
     "WanTextEncoder": "encoders",
     "first_frame_condition_mask": "encoders",
     "WanVAE": "encoders",
+    "PixelLatents": "pixels",
     "WanDiffusionModule": "module",
     "sample_generator": "module",
 }
@@ -41,6 +42,7 @@ __all__ = [
     "FlowMatchingConfig",
     "FlowMatchingSample",
     "PRESETS",
+    "PixelLatents",
     "VideoGenerationConfig",
     "WanBlock",
     "WanDiT",
@@ -71,6 +73,7 @@ if TYPE_CHECKING:
         FlowMatchingSample,
     )
     from forge_lightning.modules.diffusion.module import WanDiffusionModule, sample_generator
+    from forge_lightning.modules.diffusion.pixels import PixelLatents
     from forge_lightning.modules.diffusion.sampling import (
         Denoiser,
         VideoGenerationConfig,

@@ -532,6 +532,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         seed: int | Sequence[int] = 0,
         decode: bool = True,
         image: Tensor | None = None,
+        compression: tuple[int, int] | None = None,
     ) -> Tensor:
         """Videos from prompts (or their embeddings ``[B, L, D]``) with the Euler sampler and classifier-free
         guidance; for a Wan 2.1 I2V DiT, from a first frame too (its condition latents and image embeddings held
@@ -551,6 +552,8 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             decode: decode with the VAE when configured; otherwise (or ``False``) return the latents.
             image: I2V: the first frame ``[B or 1, 3, height, width]`` in ``[-1, 1]`` (needs ``vae``, and
                 ``image_encoder`` when the DiT has ``image_dim``).
+            compression: ``(temporal, spatial)`` factors from video to latent sizes (default: the configured VAE's,
+                else Wan's ``(4, 8)``; pixel-space latents: ``(1, 1)``).
 
         Returns:
             The video ``[B, 3, F, H, W]`` in ``[-1, 1]``, or the latents ``[B, C, f, h, w]``.
@@ -562,10 +565,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         if guidance != 1.0:
             negative = self.empty_text()[None] if negative is None else negative
             negative_BLD = negative.to(self.device, dtype).expand_as(text)
-        temporal, spatial = (4, 8)
-        if self.encoder_paths["vae"] is not None:
-            vae = self.frozen("vae")
-            temporal, spatial = vae.scale_factor_temporal, vae.scale_factor_spatial
+        temporal, spatial = compression or self._compression()
         if (num_frames - 1) % temporal or height % spatial or width % spatial:
             raise ValueError(
                 f"{num_frames} frames of {height}x{width}: need 1 + {temporal}k frames and sides divisible by {spatial}"
@@ -647,6 +647,13 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             embeddings = embeddings.expand(batch, -1, -1)
         return condition.expand(batch, -1, -1, -1, -1), embeddings
 
+    def _compression(self) -> tuple[int, int]:
+        """(temporal, spatial) factors of the configured VAE, else Wan's."""
+        if self.encoder_paths["vae"] is None:
+            return 4, 8
+        vae = self.frozen("vae")
+        return vae.scale_factor_temporal, vae.scale_factor_spatial
+
     # ----- optimisation and bookkeeping ------------------------------------------------------------------------
     @override
     def configure_optimizers(self) -> dict[str, Any]:
@@ -666,10 +673,7 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
             B, _, F, H, W = latents.shape
         else:
             B, _, frames, height, width = batch["video"].shape
-            temporal, spatial = (4, 8)
-            if self.encoder_paths["vae"] is not None:
-                vae = self.frozen("vae")
-                temporal, spatial = vae.scale_factor_temporal, vae.scale_factor_spatial
+            temporal, spatial = self._compression()
             F, H, W = 1 + (frames - 1) // temporal, height // spatial, width // spatial
         text = batch.get("text_embeddings")
         L = text.shape[1] if text is not None else self.text_max_length
