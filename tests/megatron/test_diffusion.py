@@ -1,0 +1,137 @@
+"""``WanDiffusionModule`` under MegatronStrategy (its twin: the plain ``WanDiT`` in megatron's DDP, optimizer and
+schedule) trains to the losses and weights of the default strategy on one process, with context parallelism over
+megatron's CP groups.
+
+``forge fit`` of configs/diffusion/debug/cache_megatron_cp.yaml (the debug DiT, fp32, AdamW, 3 steps of a global
+batch of 2) from a tiny feature cache whose latents are 3 x 8 x 8 (48 patch tokens per video), on: the default
+strategy (1 process); MegatronStrategy on 1 process; CP = 2 with Ulysses (``a2a``) and ring (``p2p``) attention;
+CP = 4 with the hybrid (``a2a+p2p``, hierarchical sizes [2, 2]); CP = 2 x DP = 2 on 4 processes. Every run's
+per-step ``train/loss`` and its exported DiT weights after the last step equal the default strategy's, the CP ranks
+of a data rank read the same latents, and each runs its DiT blocks on its share of the tokens. TP = 2 is refused
+with a message that names the option. The runs are plan steps of conftest's ``fit_runs`` (see fit_plan.py).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from fit_plan import PlanRuns, fit_step
+from safetensors.torch import load_file
+from wan_case import build_case
+
+HERE = Path(__file__).resolve().parent
+HERE_STEM = Path(__file__).stem
+RECIPE = HERE.parents[1] / "configs" / "diffusion" / "debug" / "cache_megatron_cp.yaml"
+TOKENS = 48  # patch tokens per video: latents 3 x 8 x 8, patch (1, 2, 2)
+LOSS_TOL = 1e-6  # |train/loss - the default strategy's| per step (fp32)
+WEIGHT_TOL = 1e-5  # max |weight - the default strategy's| after 3 AdamW steps at lr 1e-3
+CP = "--trainer.strategy.context_parallel_size"
+
+# name: (processes, data-parallel size, CLI overrides of the recipe)
+RUNS = {
+    "dit_native": (1, 1, ["--trainer.strategy", "auto"]),
+    "dit_megatron": (1, 1, [CP, "1"]),
+    "dit_cp2": (2, 1, []),
+    "dit_cp2_p2p": (2, 1, ["--trainer.strategy.cp_comm_type", "p2p"]),
+    "dit_cp4_hybrid": (
+        4,
+        1,
+        [
+            *(CP, "4", "--trainer.strategy.cp_comm_type", "a2a+p2p"),
+            *("--trainer.strategy.hierarchical_context_parallel_sizes", "[2, 2]"),
+        ],
+    ),
+    "dit_cp2_dp2": (4, 2, []),
+}
+CONTEXT_PARALLEL = {"dit_cp2": 2, "dit_cp2_p2p": 2, "dit_cp4_hybrid": 4, "dit_cp2_dp2": 2}
+
+
+def _fit(case_root: Path, name: str, nproc: int, data_parallel: int, *args: str, **kwargs) -> dict:
+    callbacks = HERE / "dit_tokens_callback.py", HERE / "export_callback.py"
+    assert all(c.is_file() for c in callbacks)
+    return fit_step(
+        name,
+        [
+            "fit",
+            "--config",
+            str(RECIPE),
+            "--data.init_args.cache",
+            str(case_root / "features"),
+            "--data.init_args.cache_config",
+            str(case_root / "precompute.yaml"),
+            "--data.init_args.batch_size",
+            str(2 // data_parallel),
+            "--trainer.devices",
+            str(nproc),
+            "--trainer.enable_progress_bar",
+            "false",
+            "--trainer.enable_model_summary",
+            "false",
+            "--trainer.logger",
+            f"{{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: runs/tests, name: {name}}}}}",
+            f"--trainer.callbacks+={{class_path: dit_tokens_callback.DiTTokens, init_args: {{path: {name}_tokens}}}}",
+            "--trainer.callbacks+={class_path: export_callback.ExportAtStep, init_args: "
+            f"{{step: 3, path: {name}_export/model.safetensors}}}}",
+            *args,
+        ],
+        nproc=nproc,
+        **kwargs,
+    )
+
+
+def fit_plan(tiny_corpus: dict[str, Path], root: Path) -> list[dict]:
+    """This module's runs (for conftest's ``fit_runs``), the feature cache under ``root``."""
+    build_case(root, frames=17, size=(64, 64), bucket=(9, 64, 64))
+    steps = [_fit(root, name, nproc, dp, *args) for name, (nproc, dp, args) in RUNS.items()]
+    tp2 = ["--trainer.strategy.tensor_model_parallel_size", "2", CP, "1"]
+    return [*steps, _fit(root, "dit_tp2_refused", 2, 1, *tp2, expect_error=True)]
+
+
+def _losses(fit_runs: PlanRuns, name: str) -> dict[int, float]:
+    return {int(r["step"]): float(r["train/loss"]) for r in fit_runs.rows(name) if r.get("train/loss")}
+
+
+def _weights(fit_runs: PlanRuns, name: str) -> dict[str, torch.Tensor]:
+    return load_file(fit_runs.root / f"{name}_export" / "diffusion_pytorch_model.safetensors")
+
+
+@pytest.mark.parametrize("name", [n for n in RUNS if n != "dit_native"])
+def test_losses_and_weights_equal_the_default_strategy(fit_runs, name):
+    reference, losses = _losses(fit_runs, "dit_native"), _losses(fit_runs, name)
+    assert sorted(reference) == sorted(losses) == [0, 1, 2] and len(set(reference.values())) == 3
+    deltas = {step: abs(losses[step] - reference[step]) for step in reference}
+    assert max(deltas.values()) <= LOSS_TOL, deltas
+    expected, trained = _weights(fit_runs, "dit_native"), _weights(fit_runs, name)
+    assert sorted(trained) == sorted(expected)
+    worst = max((trained[k] - expected[k]).abs().max().item() for k in expected)
+    assert worst <= WEIGHT_TOL
+
+
+@pytest.mark.parametrize("name", sorted(CONTEXT_PARALLEL))
+def test_context_parallel_ranks_share_the_data_and_split_the_tokens(fit_runs, name):
+    nproc, data_parallel, _ = RUNS[name]
+    cp = CONTEXT_PARALLEL[name]
+    fit_runs.rows(name)  # the run succeeded
+    ranks = [
+        json.loads((fit_runs.root / f"{name}_tokens" / f"rank{r}.json").read_text()) for r in range(nproc)
+    ]
+    native = json.loads((fit_runs.root / "dit_native_tokens" / "rank0.json").read_text())
+    assert [s["tokens"] for s in native] == [[TOKENS]] * 3
+    for rank, steps in enumerate(ranks):
+        assert [s["tokens"] for s in steps] == [[TOKENS // cp]] * 3, rank
+    # megatron's rank order: the CP ranks of a data rank are consecutive
+    for first in range(0, nproc, cp):
+        assert all(ranks[r] == ranks[first] for r in range(first, first + cp))
+    if data_parallel == 1:
+        assert [s["latents"] for s in ranks[0]] == [s["latents"] for s in native]
+    else:
+        assert ranks[0] != ranks[cp]  # the data ranks read different samples
+
+
+def test_tensor_parallelism_is_refused(fit_runs):
+    message = fit_runs.error("dit_tp2_refused")
+    assert "tensor_model_parallel_size (2) is not supported for the Wan DiT under MegatronStrategy" in message
+    assert "FSDP2Strategy" in message
