@@ -6,7 +6,8 @@ megatron's CP groups.
 batch of 2) from a tiny feature cache whose latents are 3 x 8 x 8 (48 patch tokens per video), on: the default
 strategy (1 process); MegatronStrategy on 1 process; CP = 2 with Ulysses (``a2a``) and ring (``p2p``) attention;
 CP = 4 with the hybrid (``a2a+p2p``, hierarchical sizes [2, 2]); CP = 2 x DP = 2 on 4 processes. Every run's
-per-step ``train/loss`` and its exported DiT weights after the last step equal the default strategy's, the CP ranks
+per-step ``train/loss``, its validation losses (``val/loss`` and one per fixed noise level, on the training samples
+after the last step) and its exported DiT weights after the last step equal the default strategy's, the CP ranks
 of a data rank read the same latents, and each runs its DiT blocks on its share of the tokens. TP = 2 is refused
 with a message that names the option. The runs are plan steps of conftest's ``fit_runs`` (see fit_plan.py).
 """
@@ -50,7 +51,7 @@ CONTEXT_PARALLEL = {"dit_cp2": 2, "dit_cp2_p2p": 2, "dit_cp4_hybrid": 4, "dit_cp
 
 
 def _fit(case_root: Path, name: str, nproc: int, data_parallel: int, *args: str, **kwargs) -> dict:
-    callbacks = HERE / "dit_tokens_callback.py", HERE / "export_callback.py"
+    callbacks = HERE / "dit_probe.py", HERE / "export_callback.py"
     assert all(c.is_file() for c in callbacks)
     return fit_step(
         name,
@@ -58,12 +59,19 @@ def _fit(case_root: Path, name: str, nproc: int, data_parallel: int, *args: str,
             "fit",
             "--config",
             str(RECIPE),
-            "--data.init_args.cache",
-            str(case_root / "features"),
-            "--data.init_args.cache_config",
-            str(case_root / "precompute.yaml"),
-            "--data.init_args.batch_size",
-            str(2 // data_parallel),
+            "--data",
+            json.dumps(
+                {
+                    "class_path": "dit_probe.ValidatedVideoData",
+                    "init_args": {
+                        "cache": str(case_root / "features"),
+                        "cache_config": str(case_root / "precompute.yaml"),
+                        "batch_size": 2 // data_parallel,
+                        "num_workers": 0,
+                        "pin_memory": False,
+                    },
+                }
+            ),
             "--trainer.devices",
             str(nproc),
             "--trainer.enable_progress_bar",
@@ -72,7 +80,7 @@ def _fit(case_root: Path, name: str, nproc: int, data_parallel: int, *args: str,
             "false",
             "--trainer.logger",
             f"{{class_path: lightning.pytorch.loggers.CSVLogger, init_args: {{save_dir: runs/tests, name: {name}}}}}",
-            f"--trainer.callbacks+={{class_path: dit_tokens_callback.DiTTokens, init_args: {{path: {name}_tokens}}}}",
+            f"--trainer.callbacks+={{class_path: dit_probe.DiTTokens, init_args: {{path: {name}_tokens}}}}",
             "--trainer.callbacks+={class_path: export_callback.ExportAtStep, init_args: "
             f"{{step: 3, path: {name}_export/model.safetensors}}}}",
             *args,
@@ -100,10 +108,18 @@ def _weights(fit_runs: PlanRuns, name: str) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("name", [n for n in RUNS if n != "dit_native"])
 def test_losses_and_weights_equal_the_default_strategy(fit_runs, name):
+    """Training and validation losses (the validation data: the training samples, after the last step) and the
+    exported weights."""
     reference, losses = _losses(fit_runs, "dit_native"), _losses(fit_runs, name)
     assert sorted(reference) == sorted(losses) == [0, 1, 2] and len(set(reference.values())) == 3
     deltas = {step: abs(losses[step] - reference[step]) for step in reference}
     assert max(deltas.values()) <= LOSS_TOL, deltas
+    evaluation = [k for k in fit_runs.rows("dit_native")[0] if k.startswith("val/")]
+    assert len(evaluation) == 6  # val/loss and the loss at each of the 5 fixed noise levels
+    for key in evaluation:
+        [ref] = [float(r[key]) for r in fit_runs.rows("dit_native") if r.get(key)]
+        [val] = [float(r[key]) for r in fit_runs.rows(name) if r.get(key)]
+        assert abs(val - ref) <= LOSS_TOL, (key, val, ref)
     expected, trained = _weights(fit_runs, "dit_native"), _weights(fit_runs, name)
     assert sorted(trained) == sorted(expected)
     worst = max((trained[k] - expected[k]).abs().max().item() for k in expected)

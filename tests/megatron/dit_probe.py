@@ -1,6 +1,5 @@
-"""Test callback: what each rank of a Wan DiT run trains on, written to ``<dir>/rank<global rank>.json``: per step
-the sha256 of every micro-batch's latents and the patch tokens its DiT blocks take per video (under context
-parallelism each rank's share)."""
+"""Test helpers of the Wan DiT runs under MegatronStrategy: a callback that records what each rank trains on, and
+the feature-cache datamodule with its training samples as validation data too."""
 
 import hashlib
 import json
@@ -9,9 +8,20 @@ from pathlib import Path
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 
+from forge_lightning.datamodules.diffusion import VideoDiffusionDataModule
+
+
+class ValidatedVideoData(VideoDiffusionDataModule):
+    """:class:`VideoDiffusionDataModule` whose validation data are its training samples."""
+
+    def setup(self, stage: str) -> None:
+        super().setup(stage)
+        self.val_dataset = self.train_dataset
+
 
 class DiTTokens(Callback):
-    """Record the batches' latents and the tokens per video of the DiT blocks, per rank.
+    """Record, per rank, in ``<path>/rank<global rank>.json``: per step the sha256 of the micro-batch's latents and
+    the patch tokens per video the DiT blocks take (under context parallelism the rank's share).
 
     Args:
         path: the directory of the records.
@@ -28,7 +38,8 @@ class DiTTokens(Callback):
         blocks[0].register_forward_pre_hook(self._record_tokens)
 
     def _record_tokens(self, block, args) -> None:
-        self.steps[-1]["tokens"].append(int(args[0].shape[1]))
+        if block.training:  # not the validation's forwards
+            self.steps[-1]["tokens"].append(int(args[0].shape[1]))
 
     def on_train_batch_start(
         self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch, batch_idx
