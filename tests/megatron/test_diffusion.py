@@ -28,7 +28,7 @@ HERE_STEM = Path(__file__).stem
 RECIPE = HERE.parents[1] / "configs" / "diffusion" / "debug" / "cache_megatron_cp.yaml"
 TOKENS = 48  # patch tokens per video: latents 3 x 8 x 8, patch (1, 2, 2)
 LOSS_TOL = 1e-6  # |train/loss - the default strategy's| per step (fp32)
-WEIGHT_TOL = 1e-5  # max |weight - the default strategy's| after 3 AdamW steps at lr 1e-3
+WEIGHT_TOL = 1e-6  # max |weight - the default strategy's| after 3 AdamW steps at lr 1e-3 (they move ~3e-3)
 CP = "--trainer.strategy.context_parallel_size"
 
 # name: (processes, data-parallel size, CLI overrides of the recipe)
