@@ -9,7 +9,8 @@ CP = 4 with the hybrid (``a2a+p2p``, hierarchical sizes [2, 2]); CP = 2 x DP = 2
 per-step ``train/loss``, its validation losses (``val/loss`` and one per fixed noise level, on the training samples
 after the last step) and its exported DiT weights after the last step equal the default strategy's, the CP ranks
 of a data rank read the same latents, and each runs its DiT blocks on its share of the tokens. TP = 2 is refused
-with a message that names the option. The runs are plan steps of conftest's ``fit_runs`` (see fit_plan.py).
+with a message that names the option; a dist-checkpoint written at CP 2 with Ulysses resumes with ring attention to the
+same last step, and one of another DiT width is refused by field. The runs are plan steps of conftest's ``fit_runs`` (see fit_plan.py).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ TOKENS = 48  # patch tokens per video: latents 3 x 8 x 8, patch (1, 2, 2)
 LOSS_TOL = 1e-6  # |train/loss - the default strategy's| per step (fp32)
 WEIGHT_TOL = 1e-6  # max |weight - the default strategy's| after 3 AdamW steps at lr 1e-3 (they move ~3e-3)
 CP = "--trainer.strategy.context_parallel_size"
+CHECKPOINT = "dit_checkpoints/epoch=0-step=2.ckpt"  # in the plan's working directory
 
 # name: (processes, data-parallel size, CLI overrides of the recipe)
 RUNS = {
@@ -95,7 +97,29 @@ def fit_plan(tiny_corpus: dict[str, Path], root: Path) -> list[dict]:
     build_case(root, frames=17, size=(64, 64), bucket=(9, 64, 64))
     steps = [_fit(root, name, nproc, dp, *args) for name, (nproc, dp, args) in RUNS.items()]
     tp2 = ["--trainer.strategy.tensor_model_parallel_size", "2", CP, "1"]
-    return [*steps, _fit(root, "dit_tp2_refused", 2, 1, *tp2, expect_error=True)]
+    # The 2-process launch runs these in order: a dist-checkpoint at step 2 (Ulysses), resumed with ring attention,
+    # and refused for a DiT of another width.
+    checkpoint = (
+        "{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: {dirpath: dit_checkpoints, "
+    )
+    checkpoint += "every_n_train_steps: 2, save_top_k: -1}}"
+    resume = ["--trainer.enable_checkpointing", "true", "--ckpt_path", CHECKPOINT]
+    wider = "{preset: debug, in_channels: 4, out_channels: 4, ffn_dim: 48}"
+    return [
+        *steps,
+        _fit(
+            root,
+            "dit_cp2_save",
+            2,
+            1,
+            "--trainer.enable_checkpointing",
+            "true",
+            f"--trainer.callbacks+={checkpoint}",
+        ),
+        _fit(root, "dit_cp2_p2p_resume", 2, 1, *resume, "--trainer.strategy.cp_comm_type", "p2p"),
+        _fit(root, "dit_resume_wider", 2, 1, *resume, "--model.init_args.config", wider, expect_error=True),
+        _fit(root, "dit_tp2_refused", 2, 1, *tp2, expect_error=True),
+    ]
 
 
 def _losses(fit_runs: PlanRuns, name: str) -> dict[int, float]:
@@ -151,3 +175,21 @@ def test_tensor_parallelism_is_refused(fit_runs):
     message = fit_runs.error("dit_tp2_refused")
     assert "tensor_model_parallel_size (2) is not supported for the Wan DiT under MegatronStrategy" in message
     assert "FSDP2Strategy" in message
+
+
+def test_a_context_parallel_checkpoint_resumes_with_ring_attention(fit_runs):
+    """The dist-checkpoint of step 2 at CP 2 (a2a) resumed at CP 2 (p2p): the last step's loss and the final weights
+    are the uninterrupted default strategy's."""
+    resumed, reference = _losses(fit_runs, "dit_cp2_p2p_resume"), _losses(fit_runs, "dit_native")
+    assert sorted(resumed) == [2]
+    assert abs(resumed[2] - reference[2]) <= LOSS_TOL
+    expected, trained = _weights(fit_runs, "dit_native"), _weights(fit_runs, "dit_cp2_p2p_resume")
+    assert max((trained[k] - expected[k]).abs().max().item() for k in expected) <= WEIGHT_TOL
+
+
+def test_a_checkpoint_of_another_dit_is_refused(fit_runs):
+    message = fit_runs.error("dit_resume_wider")
+    assert (
+        "the checkpoint's Wan DiT differs from the module's: ffn_dim (32 in the checkpoint, 48 here)"
+        in message
+    )
