@@ -9,8 +9,9 @@ CP = 4 with the hybrid (``a2a+p2p``, hierarchical sizes [2, 2]); CP = 2 x DP = 2
 per-step ``train/loss``, its validation losses (``val/loss`` and one per fixed noise level, on the training samples
 after the last step) and its exported DiT weights after the last step equal the default strategy's, the CP ranks
 of a data rank read the same latents, and each runs its DiT blocks on its share of the tokens. TP = 2 is refused
-with a message that names the option; a dist-checkpoint written at CP 2 with Ulysses resumes with ring attention to the
-same last step, and one of another DiT width is refused by field. The runs are plan steps of conftest's ``fit_runs`` (see fit_plan.py).
+with a message that names the option; a dist-checkpoint written at CP 2 with Ulysses resumes with ring attention to
+the same last step, and one of another DiT width is refused by field. The runs are plan steps of conftest's
+``fit_runs`` (see fit_plan.py).
 """
 
 from __future__ import annotations
@@ -193,3 +194,47 @@ def test_a_checkpoint_of_another_dit_is_refused(fit_runs):
         "the checkpoint's Wan DiT differs from the module's: ffn_dim (32 in the checkpoint, 48 here)"
         in message
     )
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("tensor_model_parallel_size", 2),
+        ("pipeline_model_parallel_size", 2),
+        ("virtual_pipeline_model_parallel_size", 2),
+        ("expert_model_parallel_size", 2),
+        ("expert_tensor_parallel_size", 2),
+    ],
+)
+def test_model_parallel_layouts_are_refused_by_name(option, value):
+    from forge_lightning.contracts import MegatronBuild, MegatronDims
+    from forge_lightning.modules.diffusion.megatron import check_layout
+    from forge_lightning.modules.diffusion.wan_config import preset
+
+    build = MegatronBuild(dims=MegatronDims(**{option: value}), device=torch.device("cpu"), bf16=False)
+    with pytest.raises(
+        ValueError, match=rf"^{option} \({value}\) is not supported for the Wan DiT .* FSDP2Strategy$"
+    ):
+        check_layout(preset("debug"), build)
+
+
+def test_recompute_and_heads_that_do_not_split_are_refused():
+    from forge_lightning.contracts import MegatronBuild, MegatronDims
+    from forge_lightning.modules.diffusion.megatron import check_layout
+    from forge_lightning.modules.diffusion.wan_config import preset
+
+    config, cpu = preset("debug"), torch.device("cpu")  # 2 heads
+    with pytest.raises(ValueError, match=r"components.dit.recompute \('full'\) is not applied"):
+        check_layout(config, MegatronBuild(dims=MegatronDims(), device=cpu, bf16=False, recompute="full"))
+    ulysses4 = MegatronBuild(dims=MegatronDims(context_parallel_size=4), device=cpu, bf16=False)
+    with pytest.raises(
+        ValueError, match=r"context_parallel_size \(4\) must divide the DiT's num_heads \(2\)"
+    ):
+        check_layout(config, ulysses4)
+    hybrid = MegatronDims(
+        context_parallel_size=8, cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[4, 2]
+    )
+    with pytest.raises(ValueError, match=r"hierarchical_context_parallel_sizes\[0\] \(4\) must divide"):
+        check_layout(config, MegatronBuild(dims=hybrid, device=cpu, bf16=False))
+    ring = MegatronDims(context_parallel_size=4, cp_comm_type="p2p")  # ring attention splits no heads
+    check_layout(config, MegatronBuild(dims=ring, device=cpu, bf16=False))

@@ -190,13 +190,10 @@ class DiTTwin:
             self.module.objective.record_train(sums)
 
     def micro_batch_shape(self, batch: dict[str, Tensor]) -> tuple[int, int]:
-        """``(samples, patch tokens per video)``: megatron sizes only pipeline messages with it (none at PP = 1)."""
-        latents = batch.get("latents")
-        if latents is None:
-            return len(batch["video"]), 1
-        pt, ph, pw = self.module.config.patch_size
-        _, _, frames, height, width = latents.shape
-        return latents.shape[0], (frames // pt) * (height // ph) * (width // pw)
+        """``(samples, patch tokens per video)`` (the module's ``batch_stats``); megatron sizes only pipeline
+        messages with it, and there are none at PP = 1."""
+        stats = self.module.batch_stats(batch)
+        return int(stats["samples"]), int(stats["tokens"]) // int(stats["samples"])
 
     def padding_batch(self, batch: dict[str, Tensor]) -> dict[str, Tensor]:
         raise NotImplementedError(
