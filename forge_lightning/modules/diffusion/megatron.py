@@ -10,9 +10,10 @@ optimizer and schedule at TP = PP = 1, with context parallelism over megatron's 
       FlowMatching.loss [B] -> (sum, B)       the module's loss, on every CP rank
 
 megatron sums the gradients over the data- x context-parallel ranks and divides them by the counts summed over the
-same ranks: each of the ``P`` CP ranks of a data rank counts its ``B`` samples and holds the whole gradient of the
-loss (the gather's backward sums the ranks' parts), so the ``P`` copies cancel and the step's gradient is the one
-batch rule's (sum of sample losses of the global batch / its samples), as in ``training_step``.
+same ranks. Each of the ``P`` CP ranks of a data rank computes the loss of the whole gathered prediction and counts
+its ``B`` samples; their gradients sum to ``P`` times one process's (the gather's backward sums each part's gradient
+over the ranks, see ``split_sequence.py``) and their counts to ``P x B``, so ``P`` cancels and the step's gradient is
+the one batch rule's (sum of the global batch's sample losses / its samples), as in ``training_step``.
 
 Evaluation runs the module's fixed-sigma losses through the chunk and records them with the module (per-sigma logs
 included). Refused: TP, PP, VPP, EP > 1, the strategy's recompute, and Ulysses over more ranks than heads.
@@ -142,12 +143,7 @@ class DiTTwin:
         module, device = self.module, _device(chunk)
         sample, text = module.prepare(batch, self._micro_batch)
         self._micro_batch += 1
-        sample = FlowMatchingSample(
-            **{
-                f.name: None if getattr(sample, f.name) is None else getattr(sample, f.name).to(device)
-                for f in dataclasses.fields(sample)
-            }
-        )
+        sample = _to_device(sample, device)  # the loss is computed where the prediction is
         image_inputs = tuple(None if t is None else t.to(device) for t in module.image_inputs(batch))
         pred = module.velocity(sample.x_t, sample.timestep, text.to(device), image_inputs, dit=chunk)
 
@@ -164,9 +160,8 @@ class DiTTwin:
         if not module.evaluation_started:  # the first batch of an evaluation (the module logs at its end)
             self._eval_batch = 0
 
-        def predict(
-            x_t: Tensor, **inputs: Tensor | None
-        ) -> Tensor:  # where the module's noise and targets are
+        def predict(x_t: Tensor, **inputs: Tensor | None) -> Tensor:
+            """The chunk's prediction where the module's noise and targets are."""
             return chunk(x_t, **inputs).to(x_t.device)
 
         losses_KB = module.fixed_sigma_losses(batch, self._eval_batch, dit=predict)
@@ -279,6 +274,11 @@ def check_layout(config: WanDiTConfig, build: MegatronBuild) -> None:
             f"{option} ({ulysses}) must divide the DiT's num_heads ({config.num_heads}): Ulysses attention gives "
             f"each rank a share of the heads; use one of {common_divisors(config.num_heads)}, or cp_comm_type 'p2p'"
         )
+
+
+def _to_device(sample: FlowMatchingSample, device: torch.device) -> FlowMatchingSample:
+    moved = {f.name: getattr(sample, f.name) for f in dataclasses.fields(sample)}
+    return FlowMatchingSample(**{k: None if v is None else v.to(device) for k, v in moved.items()})
 
 
 def _unwrap(chunk: nn.Module) -> DiTChunk:
