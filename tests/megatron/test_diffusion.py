@@ -2,8 +2,9 @@
 schedule) trains to the losses and weights of the default strategy on one process, with context parallelism over
 megatron's CP groups.
 
-``forge fit`` of configs/diffusion/debug/cache_megatron_cp.yaml (the debug DiT, fp32, AdamW, 3 steps of a global
-batch of 2) from a tiny feature cache whose latents are 3 x 8 x 8 (48 patch tokens per video), on: the default
+``forge fit`` of configs/diffusion/debug/cache_megatron_cp.yaml (the debug DiT, fp32, 3 steps of a global batch of 2)
+from a perturbed initial DiT (``pretrained``) with SGD (whose updates show a wrongly scaled gradient), from a tiny
+feature cache whose latents are 3 x 8 x 8 (48 patch tokens per video), on: the default
 strategy (1 process); MegatronStrategy on 1 process; CP = 2 with Ulysses (``a2a``) and ring (``p2p``) attention;
 CP = 4 with the hybrid (``a2a+p2p``, hierarchical sizes [2, 2]); CP = 2 x DP = 2 on 4 processes. Every run's
 per-step ``train/loss``, its validation losses (``val/loss`` and one per fixed noise level, on the training samples
@@ -30,9 +31,10 @@ HERE_STEM = Path(__file__).stem
 RECIPE = HERE.parents[1] / "configs" / "diffusion" / "debug" / "cache_megatron_cp.yaml"
 TOKENS = 48  # patch tokens per video: latents 3 x 8 x 8, patch (1, 2, 2)
 LOSS_TOL = 1e-6  # |train/loss - the default strategy's| per step (fp32)
-WEIGHT_TOL = 1e-6  # max |weight - the default strategy's| after 3 AdamW steps at lr 1e-3 (they move ~3e-3)
+WEIGHT_TOL = 1e-6  # max |weight - the default strategy's| after the 3 SGD steps (which move them up to 3e-2)
 CP = "--trainer.strategy.context_parallel_size"
 CHECKPOINT = "dit_checkpoints/epoch=0-step=2.ckpt"  # in the plan's working directory
+SGD = ["--optimizer.name", "sgd", "--optimizer.lr", "0.05", "--optimizer.weight_decay", "0.01"]
 
 # name: (processes, data-parallel size, CLI overrides of the recipe)
 RUNS = {
@@ -93,10 +95,27 @@ def _fit(case_root: Path, name: str, nproc: int, data_parallel: int, *args: str,
     )
 
 
+def _perturbed_dit(path: Path) -> Path:
+    """The debug DiT with every weight moved by N(0, 0.1) (Wan's zero output projection would make the first step's
+    prediction 0 and leave the blocks without a gradient), as a diffusers directory."""
+    from forge_lightning.modules.diffusion import WanDiT, preset
+
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        dit = WanDiT(preset("debug", in_channels=4, out_channels=4))
+        with torch.no_grad():
+            for param in dit.parameters():
+                param.add_(0.1 * torch.randn_like(param))
+    dit.save_pretrained(path)
+    return path
+
+
 def fit_plan(tiny_corpus: dict[str, Path], root: Path) -> list[dict]:
-    """This module's runs (for conftest's ``fit_runs``), the feature cache under ``root``."""
+    """This module's runs (for conftest's ``fit_runs``), the feature cache and the initial DiT under ``root``."""
     build_case(root, frames=17, size=(64, 64), bucket=(9, 64, 64))
-    steps = [_fit(root, name, nproc, dp, *args) for name, (nproc, dp, args) in RUNS.items()]
+    # SGD: a step's update is its gradient's (Adam's would hide a wrongly scaled gradient).
+    start = ["--model.init_args.pretrained", str(_perturbed_dit(root / "dit")), *SGD]
+    steps = [_fit(root, name, nproc, dp, *start, *args) for name, (nproc, dp, args) in RUNS.items()]
     tp2 = ["--trainer.strategy.tensor_model_parallel_size", "2", CP, "1"]
     # The 2-process launch runs these in order: a dist-checkpoint at step 2 (Ulysses), resumed with ring attention,
     # and refused for a DiT of another width.
@@ -106,19 +125,22 @@ def fit_plan(tiny_corpus: dict[str, Path], root: Path) -> list[dict]:
     checkpoint += "every_n_train_steps: 2, save_top_k: -1}}"
     resume = ["--trainer.enable_checkpointing", "true", "--ckpt_path", CHECKPOINT]
     wider = "{preset: debug, in_channels: 4, out_channels: 4, ffn_dim: 48}"
+    save = ["--trainer.enable_checkpointing", "true", f"--trainer.callbacks+={checkpoint}"]
     return [
         *steps,
+        _fit(root, "dit_cp2_save", 2, 1, *start, *save),
+        _fit(root, "dit_cp2_p2p_resume", 2, 1, *start, *resume, "--trainer.strategy.cp_comm_type", "p2p"),
         _fit(
             root,
-            "dit_cp2_save",
+            "dit_resume_wider",
             2,
             1,
-            "--trainer.enable_checkpointing",
-            "true",
-            f"--trainer.callbacks+={checkpoint}",
+            *SGD,
+            *resume,
+            "--model.init_args.config",
+            wider,
+            expect_error=True,
         ),
-        _fit(root, "dit_cp2_p2p_resume", 2, 1, *resume, "--trainer.strategy.cp_comm_type", "p2p"),
-        _fit(root, "dit_resume_wider", 2, 1, *resume, "--model.init_args.config", wider, expect_error=True),
         _fit(root, "dit_tp2_refused", 2, 1, *tp2, expect_error=True),
     ]
 
