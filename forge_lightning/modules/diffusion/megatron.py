@@ -16,7 +16,7 @@ over the ranks, see ``split_sequence.py``) and their counts to ``P x B``, so ``P
 the one batch rule's (sum of the global batch's sample losses / its samples), as in ``training_step``.
 
 Evaluation runs the module's fixed-sigma losses through the chunk and records them with the module (per-sigma logs
-included). Refused: TP, PP, VPP, EP > 1, the strategy's recompute, and Ulysses over more ranks than heads.
+included). Refused: TP, PP, VPP, EP > 1, the strategy's recompute, and Ulysses over ranks that do not divide the heads.
 """
 
 from __future__ import annotations
