@@ -38,21 +38,29 @@ def write_encoders(root: Path) -> None:
     ).save_pretrained(root / "vae")
 
 
-def build_case(root: Path) -> dict:
-    """Under ``root``: six clips with captions, the encoders (``wan/``), the data config, a precompute YAML and its
-    cache (``features/``)."""
+def build_case(
+    root: Path,
+    *,
+    frames: int = 9,
+    size: tuple[int, int] = (16, 24),
+    bucket: tuple[int, int, int] = (5, 16, 16),
+) -> dict:
+    """Under ``root``: six clips of ``frames`` frames of ``size`` (height, width) at 16 fps with captions, the encoders
+    (``wan/``), the data config (one ``bucket``: frames at 8 fps, height, width), a precompute YAML and its cache
+    (``features/``). The default bucket gives latents of 2 x 2 x 2 (2 patch tokens of the debug DiT); 17 frames of
+    64 x 64 in the bucket ``(9, 64, 64)`` give 3 x 8 x 8 (48)."""
     rng = np.random.default_rng(0)
     records = []
     for k, caption in enumerate(CAPTIONS):
-        frames = [rng.integers(0, 255, (16, 24, 3), dtype=np.uint8) for _ in range(9)]
-        write_video(root / f"clip{k}.mp4", frames, fps=16, min_size=1)
+        clip = [rng.integers(0, 255, (*size, 3), dtype=np.uint8) for _ in range(frames)]
+        write_video(root / f"clip{k}.mp4", clip, fps=16, min_size=1)
         records.append(json.dumps({"video": f"clip{k}.mp4", "caption": caption}))
     (root / "captions.jsonl").write_text("\n".join(records) + "\n")
     wan = root / "wan"  # its own folder: the cache's fingerprint hashes every file under it
     write_encoders(wan)
     data = {
         "entries": [str(root / "captions.jsonl")],
-        "buckets": [[5, 16, 16]],
+        "buckets": [list(bucket)],
         "fps": 8,
         "spatial_stride": 8,
     }

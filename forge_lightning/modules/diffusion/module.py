@@ -36,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -75,6 +75,7 @@ from forge_lightning.optim.clipping import UnscaledGradientClipping
 from forge_lightning.performance import PerformanceConfig, configure_performance, resolve_for
 
 if TYPE_CHECKING:
+    from forge_lightning.contracts import MegatronBuild, MegatronTwin
     from forge_lightning.distributed.context_parallel import ContextParallel
 
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -360,14 +361,30 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         return self.frozen("image_encoder")
 
     def velocity(
-        self, x_t: Tensor, timestep: Tensor, text: Tensor, image_inputs: tuple[Tensor | None, Tensor | None]
+        self,
+        x_t: Tensor,
+        timestep: Tensor,
+        text: Tensor,
+        image_inputs: tuple[Tensor | None, Tensor | None],
+        dit: Callable[..., Tensor] | None = None,
     ) -> Tensor:
         """The DiT's prediction ``[B, out_channels, F, H, W]``; for I2V with the condition channels concatenated
-        to ``x_t`` and the image embeddings passed (:meth:`image_inputs`)."""
+        to ``x_t`` and the image embeddings passed (:meth:`image_inputs`).
+
+        Args:
+            x_t: the noised latents.
+            timestep: the DiT's timesteps ``[B]`` (or ``[B, S]``).
+            text: the text embeddings.
+            image_inputs: :meth:`image_inputs` of the batch.
+            dit: the model that predicts (default: the module's DiT; MegatronStrategy passes its twin's chunk, which
+                takes the same arguments). The latents go positionally, the rest by name: megatron's
+                ``Float16Module`` casts positional inputs to bf16, which the timesteps must not be.
+        """
         condition, image = image_inputs
         if condition is not None:
             x_t = torch.cat([x_t, condition.to(x_t.dtype)], dim=1)
-        return self.dit(x_t, timestep, text, image)
+        dit = self.dit if dit is None else dit
+        return dit(x_t, timestep=timestep, encoder_hidden_states=text, encoder_hidden_states_image=image)
 
     # ----- construction and interchange -----------------------------------------------------------------------
     @classmethod
@@ -404,6 +421,13 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         from forge_lightning.distributed.split_sequence import SplitSequence
 
         self.dit.set_sequence_layout(SplitSequence(cp))
+
+    def megatron_model(self, build: MegatronBuild) -> MegatronTwin:
+        """The DiT's megatron-core twin for ``MegatronStrategy`` (:class:`~forge_lightning.contracts.MegatronModule`;
+        see ``modules/diffusion/megatron.py``): data and context parallelism, the module's noise and loss."""
+        from forge_lightning.modules.diffusion.megatron import DiTTwin
+
+        return DiTTwin(self, build)
 
     def parallel_plan(self) -> ParallelPlan:
         """One component, ``dit``, whose blocks are the Wan transformer blocks (the unit of FSDP wrapping,
@@ -467,10 +491,12 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
         self.objective.log_train(self)
 
     # ----- evaluation ----------------------------------------------------------------------------------------------
-    def fixed_sigma_losses(self, batch: Mapping[str, Any], batch_idx: int = 0) -> Tensor:
+    def fixed_sigma_losses(
+        self, batch: Mapping[str, Any], batch_idx: int = 0, dit: Callable[..., Tensor] | None = None
+    ) -> Tensor:
         """Per-sample losses ``[len(validation_sigmas), B]`` at the fixed noise levels, with noise fixed per sample
         (seeded by the batch index and the sample, not the step), so that they compare across steps. No text
-        dropout."""
+        dropout. ``dit``: the model that predicts (see :meth:`velocity`)."""
         x0, text = self.encode(batch)
         keys = self._sample_keys(batch, x0.shape[0], batch_idx)
         noise = torch.cat(
@@ -489,15 +515,24 @@ class WanDiffusionModule(UnscaledGradientClipping, TokenLossSteps, pl.LightningM
                 timestep = per_token_timesteps(timestep, mask, self.config.patch_size)
             weight = loss_weights(self.flow_config, sigma_B)
             sample = FlowMatchingSample(x_t, velocity_target(x0, noise), sigma_B, timestep, weight, mask)
-            losses.append(self.flow.loss(self.velocity(x_t, timestep, text, image_inputs), sample))
+            losses.append(self.flow.loss(self.velocity(x_t, timestep, text, image_inputs, dit), sample))
         return torch.stack(losses)
 
     def _eval_step(self, batch: dict[str, Any], batch_idx: int = 0) -> None:
-        losses_KB = self.fixed_sigma_losses(batch, batch_idx).detach().double()
+        self.record_eval_losses(self.fixed_sigma_losses(batch, batch_idx))
+
+    def record_eval_losses(self, losses_KB: Tensor) -> None:
+        """Add a batch's :meth:`fixed_sigma_losses` to the current evaluation's sums (logged at its end)."""
+        losses_KB = losses_KB.detach().double()
         count = torch.tensor(losses_KB.shape[1], dtype=torch.float64, device=losses_KB.device)
         sums = torch.cat([losses_KB.sum(1), count[None]])  # per-sigma sums, then the sample count
         self._val_sums = sums if self._val_sums is None else self._val_sums + sums
         self.objective.record_eval(torch.stack([losses_KB.mean(0).sum(), count]))
+
+    @property
+    def evaluation_started(self) -> bool:
+        """Whether the current evaluation has recorded a batch (it has not ended and been logged)."""
+        return self._val_sums is not None
 
     def _eval_log(self, prefix: str) -> Tensor | None:
         sums = self._val_sums
