@@ -628,7 +628,7 @@ def vlm_quickstart(args: argparse.Namespace) -> None:
 
 
 def build_diffusion_quickstart(
-    output_dir: str | os.PathLike, *, clips_per_caption: int = 8, seed: int = 0
+    output_dir: str | os.PathLike, *, clips_per_caption: int = 40, seed: int = 0
 ) -> dict:
     """Write the text-to-video quick start's data: moving-shape clips with captions and the held-out prompts (see
     :mod:`forge_lightning.datamodules.diffusion.moving_shapes`), a word-level tokenizer with a tiny random UMT5
@@ -780,7 +780,7 @@ def _add_diffusion_quickstart(sub: argparse._SubParsersAction) -> None:
         "quick start",
     )
     p.add_argument("--output", type=Path, default=Path("data/diffusion_quickstart"))
-    p.add_argument("--clips-per-caption", type=_positive_int, default=8)
+    p.add_argument("--clips-per-caption", type=_positive_int, default=40)
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=diffusion_quickstart)
 

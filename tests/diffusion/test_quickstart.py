@@ -59,17 +59,6 @@ def test_reader_reads_every_rendered_clip_back():
             assert read_clip(_video(render_clip(clip, random_start(clip, rng)))) == clip
 
 
-def test_clips_start_at_the_edge_opposite_their_direction_within_a_pixel():
-    rng = random.Random(3)
-    edge = {"left": (20, None), "right": (0, None), "up": (None, 20), "down": (None, 0)}
-    for clip in all_clips():
-        starts = {random_start(clip, rng) for _ in range(20)}
-        for axis, at in enumerate(edge[str(clip.direction)]):
-            values = {start[axis] for start in starts}
-            wanted = {at, at + (1 if at == 0 else -1)} if at is not None else {9, 10, 11}
-            assert values <= wanted and len(values) > 1, (clip, axis, values)
-
-
 def test_reader_reads_clips_back_through_the_mp4_codec(tmp_path):
     rng = random.Random(1)
     for k, clip in enumerate(all_clips()[::3]):
@@ -93,7 +82,7 @@ def test_reader_rejects_wrong_clips():
     for clip in wrong:
         assert read_clip(_video(render_clip(clip, random_start(clip, rng)))) != red_square_left
     # a shape that does not move has no direction; an empty (black) clip has no attribute
-    still = np.repeat(render_clip(red_square_left, (18, 10))[:1], 5, axis=0)
+    still = np.repeat(render_clip(red_square_left, (14, 10))[:1], 5, axis=0)
     assert read_clip(_video(still)) == Clip("square", "red", None)
     assert read_clip(-torch.ones(3, 5, 32, 32)) == Clip(None, None, None)
 
