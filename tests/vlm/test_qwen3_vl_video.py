@@ -272,7 +272,10 @@ def test_batch_equals_transformers_processing(tokenizer_dir, hf_processor, data)
         1,
     )
     if wrapped != bare:
-        start, end = dm.special_token_ids["vision_start_token_id"], dm.special_token_ids["vision_end_token_id"]
+        start, end = (
+            dm.special_token_ids["vision_start_token_id"],
+            dm.special_token_ids["vision_end_token_id"],
+        )
         first = next(k for k, (a, b) in enumerate(zip(bare, wrapped)) if a != b)
         last = len(bare) - 1 - bare[::-1].index(end)
         assert wrapped[first] == start and wrapped[last + 2] == end
