@@ -20,12 +20,12 @@ backend    packed attention                                                     
 ``varlen`` ``torch.nn.attention.varlen.varlen_attn`` (FlashAttention varlen) on     CUDA, fp16 / bf16
            the flattened batch with ``cu_seqlens``
 ``fa4``    FlashAttention-4 varlen (``forge_lightning.kernels.flash4``) on the      Hopper / Blackwell,
-           flattened batch with ``cu_seqlens``                                      fp16 / bf16, D <= 128
+           flattened batch with ``cu_seqlens``                                      fp16 / bf16, D 64 or 128
 ``auto``   on CUDA ``fa4`` when the process's attention kernel is FA4 (see below), else ``flex`` for rows of
            a fixed shape (an LLM's packed rows), ``varlen`` for masks built with ``varying_shapes``
            (encoders, whose token count changes with every image grid: compiled FlexAttention would
-           recompile for each, then run eagerly); inputs FA4 / FlashAttention do not take (fp32, FA4: head
-           dims over 128) fall back to SDPA with the dense mask; ``sdpa`` elsewhere
+           recompile for each, then run eagerly); inputs FA4 does not take (head dims other than 64 and 128)
+           fall back to ``varlen``, fp32 inputs to SDPA with the dense mask; ``sdpa`` elsewhere
 =========  ======================================================================  ==========================
 
 Rows without document boundaries use the process's attention kernel (:func:`set_attention_kernel`, from
@@ -274,7 +274,12 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
                 max_seqlen=documents.max_seqlen,
             )
             return out_NHD.view(B, S, H, D).transpose(1, 2)
-        backend, dense = "sdpa", _dense_mask(documents.document_ids, documents.causal)
+        # What `auto` serves these masks with without FA4: FlashAttention varlen on CUDA (any head dim; fp32
+        # inputs go on to the dense mask below), the dense mask elsewhere.
+        if q.is_cuda and _varlen_attn is not None:
+            backend = "varlen"
+        else:
+            backend, dense = "sdpa", _dense_mask(documents.document_ids, documents.causal)
     if backend == "varlen" and q.dtype not in (torch.float16, torch.bfloat16):
         if not documents.chosen:
             raise ValueError(
