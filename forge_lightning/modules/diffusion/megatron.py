@@ -126,8 +126,16 @@ class DiTTwin:
 
     def build_chunks(self) -> list[nn.Module]:
         """One chunk: a copy of the module's DiT on the build's device, its sequence split over megatron's CP
-        group when CP > 1 (bf16 runs: in megatron's ``Float16Module``, the optimizer keeping fp32 main weights)."""
+        group when CP > 1 (bf16 runs: in megatron's ``Float16Module``, the optimizer keeping fp32 main weights).
+        The module's own DiT then moves to the meta device: the chunk holds the weights, and the strategy copies
+        them back into the module when a callback runs it."""
+        if self.module.dit.patch_embedding.weight.is_meta:
+            raise RuntimeError(
+                "the DiT's weights were handed to an earlier megatron twin (they live in its chunk): build one twin "
+                "per module"
+            )
         dit = copy.deepcopy(self.module.dit).to(self.build.device)
+        self.module.dit.to("meta")
         if self.build.dims.cp > 1:
             dit.set_sequence_layout(SplitSequence(megatron_context_parallel(self.build.dims)))
         config = self.transformer_config()
