@@ -46,6 +46,9 @@ def make_vector_env(
     """``num_envs`` copies of an env in a ``SyncVectorEnv`` (one process) or ``AsyncVectorEnv`` (one process
     each), autoreset disabled.
 
+    Async workers are spawned, never forked: the caller is often a training process with CUDA, NCCL or OpenMP
+    threads, whose locks a forked child would inherit held.
+
     Args:
         env_id: a supported id.
         num_envs: envs stepped together.
@@ -61,5 +64,5 @@ def make_vector_env(
     factory = functools.partial(make_env, env_id, dict(env_kwargs or {}), max_episode_steps)
     mode = gym.vector.AutoresetMode.DISABLED
     if vectorization == "async":
-        return gym.vector.AsyncVectorEnv([factory] * num_envs, autoreset_mode=mode)
+        return gym.vector.AsyncVectorEnv([factory] * num_envs, autoreset_mode=mode, context="spawn")
     return gym.vector.SyncVectorEnv([factory] * num_envs, autoreset_mode=mode)
