@@ -14,8 +14,11 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 REPO = Path(__file__).resolve().parent.parent
-# Test helper modules (procs.py) import as top-level modules.
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# Test helper modules (procs.py, worker_exit.py) import as top-level modules, here and in every worker process a
+# test starts (they inherit PYTHONPATH).
+TESTS = str(Path(__file__).resolve().parent)
+sys.path.insert(0, TESTS)
+os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))
 
 
 @pytest.fixture(scope="session")

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
+from worker_exit import exit_worker
 
 from forge_lightning.distributed.context_parallel import (
     ContextParallel,
@@ -126,7 +127,7 @@ def main() -> None:
             results["error"] = str(err)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 import torch
 import torch.distributed as dist
 from vlm_pack_case import datamodule, model, token_losses
+from worker_exit import exit_worker
 
 from forge_lightning.datamodules.vlm.balance import item_costs
 
@@ -69,7 +70,7 @@ def main() -> None:
     if rank == 0:
         result["single"] = _step(datamodule(*files, batch_size=BATCH * world), 1, 0, reduce=False)
     torch.save(result, out / f"rank{rank}.pt")
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

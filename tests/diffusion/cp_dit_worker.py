@@ -18,6 +18,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
+from worker_exit import exit_worker
 
 from forge_lightning.contracts import Component, ParallelPlan
 from forge_lightning.distributed.context_parallel import ContextParallel
@@ -134,7 +135,7 @@ def main() -> None:
             results["error"] = str(err)
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from worker_exit import exit_worker  # noqa: E402
 
 from forge_lightning.modules.llm.config import LLMConfig  # noqa: E402
 from forge_lightning.modules.llm.megatron import (  # noqa: E402  # noqa: E402
@@ -45,7 +46,7 @@ def main(hf_dir: Path, out: Path) -> None:
         torch.save(torch.cat(shards, dim=-1), out / "logits.pt")
         save_file(state, out / "exported.safetensors")
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from moe_reference import moe_config
+from worker_exit import exit_worker
 
 from forge_lightning.modules.llm.config import LLMConfig
 
@@ -89,7 +90,7 @@ def main(out: Path, layouts: list[str], names: list[str]) -> None:
         parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed  # noqa: E402
 from moe_reference import build_twin, megatron_run, micro_batches, moe_config, native_model  # noqa: E402
+from worker_exit import exit_worker  # noqa: E402
 
 LAYOUTS = {
     "ep2": dict(expert_model_parallel_size=2),
@@ -61,7 +62,7 @@ def main(out: Path, names: list[str]) -> None:
         parallel_state.destroy_model_parallel()
     if dist.get_rank() == 0:
         torch.save(results, out)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ cuda_shim.install()
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
+from worker_exit import exit_worker  # noqa: E402
 
 from forge_lightning.modules.llm.hf import split_experts  # noqa: E402
 from forge_lightning.modules.llm.megatron import (  # noqa: E402  # noqa: E402
@@ -79,7 +80,7 @@ def main(out: Path, cases: list[str]) -> None:
     dist.all_gather_object(gathered, results)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(gathered))
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":
