@@ -164,6 +164,7 @@ class Muon(torch.optim.Optimizer):
         self._shard_adamw_state = shard_adamw_state
         self._splits: dict[Tensor, MatrixSplit] = {}
         self._full_shapes: dict[Tensor, torch.Size] = {}
+        self._lr_shapes: dict[Tensor, tuple[int, int]] = {}
         self._builder: ExchangeBuilder | None = None
         self._built = False
         self._muon: list[tuple[Tensor, dict]] = []
@@ -185,8 +186,7 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a Muon (``use_muon: True``) or AdamW (``use_muon: False``) group, before the first step."""
-        if self._built:
-            raise ValueError("Muon builds its exchanges at the first step: add every param group before it")
+        self._check_not_built("add_param_group")
         if not isinstance(param_group, dict) or not isinstance(param_group.get("use_muon"), bool):
             raise ValueError(
                 "every Muon param group is a dict with 'use_muon': True (hidden matrices) or False (AdamW: "
@@ -202,6 +202,7 @@ class Muon(torch.optim.Optimizer):
     def set_matrix_split(self, param: Tensor, split: MatrixSplit) -> None:
         """Orthogonalise ``param``'s full matrix as the parts ``split`` cuts it into (each with its own lr
         adjustment). Call it on every rank, before the first step."""
+        self._check_not_built("set_matrix_split")
         group = self._group_of(param)
         if not group["use_muon"]:
             raise ValueError(
@@ -218,7 +219,9 @@ class Muon(torch.optim.Optimizer):
 
     def set_matrix_shape(self, param: Tensor, shape: Sequence[int]) -> None:
         """The whole matrix's shape of a param that holds a plain slice of it (Megatron's tensor parallelism),
-        which the lr adjustment and the split use. DTensors and whole tensors need no call."""
+        which the lr adjustment and the split use. DTensors and whole tensors need no call. Call it on every rank,
+        before the first step."""
+        self._check_not_built("set_matrix_shape")
         group = self._group_of(param)
         if len(shape) != param.ndim:
             raise ValueError(
@@ -229,8 +232,7 @@ class Muon(torch.optim.Optimizer):
     def set_exchange_builder(self, builder: ExchangeBuilder) -> None:
         """How the exchanges are made: ``builder(params, costs)``, called at the first step for the Muon params
         (costs: Newton-Schulz FLOPs) and, with ``shard_adamw_state``, for the AdamW params (costs: numel)."""
-        if self._built:
-            raise ValueError("Muon built its exchanges at the first step: set the builder before it")
+        self._check_not_built("set_exchange_builder")
         self._builder = builder
 
     @torch.no_grad()
@@ -293,6 +295,10 @@ class Muon(torch.optim.Optimizer):
             self._refresh()
             self._prune()
 
+    def _check_not_built(self, what: str) -> None:
+        if self._built:
+            raise ValueError(f"Muon builds its exchanges at the first step: call {what} before it")
+
     def _group_of(self, param: Tensor) -> dict:
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
@@ -314,6 +320,8 @@ class Muon(torch.optim.Optimizer):
 
     def _build(self) -> None:
         self._refresh()
+        # The matrix the lr adjustment reads: the first part's (other parts are rescaled to it in _join).
+        self._lr_shapes = {p: tuple(self._part_shapes(p)[0][-2:]) for p, _ in self._muon}
         builder = self._builder or _default_exchange_builder
         if self._muon:
             costs = [
@@ -357,7 +365,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             p_local = _local(p)
             p_local.mul_(1 - group["lr"] * group["weight_decay"])
-            rows, cols = self._part_shapes(p)[0][-2:]
+            rows, cols = self._lr_shapes[p]
             p_local.add_(outs[i], alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], rows, cols))
 
     def _momentum_update(self, p: Tensor, group: dict) -> Tensor:
@@ -369,7 +377,7 @@ class Muon(torch.optim.Optimizer):
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
     def _orthogonalize(self, full: Mapping[int, Tensor]) -> dict[int, Tensor]:
-        """Each owned full update's Newton-Schulz result, in its param's dtype; parts of one shape (and the same
+        """Each owned full update's Newton-Schulz result, contiguous, in its param's dtype; parts of one shape (and the same
         iteration settings) run as one batched call."""
         parts: dict[int, list[Tensor]] = {}
         batches: dict[tuple, list[tuple[int, int]]] = {}
@@ -377,7 +385,9 @@ class Muon(torch.optim.Optimizer):
             p, group = self._muon[i]
             if x.shape != self._full_shape(p):
                 raise ValueError(
-                    f"the exchange gave {_name(group, p)} as {tuple(x.shape)}, not its full shape"
+                    f"the exchange gave {_name(group, p)} as {tuple(x.shape)}, not its full shape "
+                    f"{tuple(self._full_shape(p))}: for a param holding a plain slice of its matrix (tensor "
+                    "parallelism), call Muon.set_matrix_shape with the whole matrix's shape"
                 )
             split = self._splits.get(p)
             parts[i] = split.parts(x) if split is not None else [x]
@@ -408,7 +418,8 @@ class Muon(torch.optim.Optimizer):
             ref = adjusted_lr(1.0, fn, *shapes[0])
             done = [t * (adjusted_lr(1.0, fn, *s) / ref) for t, s in zip(done, shapes, strict=True)]
         split = self._splits.get(p)
-        return split.join(done) if split is not None else done[0]
+        joined = split.join(done) if split is not None else done[0]
+        return joined.contiguous()  # a tall matrix comes back transposed; exchanges may send raw storage
 
     def _adamw_step(self) -> None:
         exchange = self._adamw_exchange
