@@ -353,3 +353,21 @@ def test_a_slice_without_its_whole_shape_is_refused():
     w.grad = torch.ones(8, 4)
     with pytest.raises(ValueError, match="set_matrix_shape"):
         opt.step()
+
+
+def test_adamw_groups_equal_torch_foreach_adamw_over_mixed_dtypes():
+    shapes = [(10,), (6, 5), (7,)]
+    start = [
+        t.to(d)
+        for t, d in zip(_tensors(shapes, 0), [torch.float32, torch.bfloat16, torch.float32], strict=True)
+    ]
+    ours, ref = [t.clone() for t in start], [t.clone() for t in start]
+    opt = Muon([{"params": ours, "use_muon": False, "lr": 3e-3, "weight_decay": 0.05}])
+    torch_opt = torch.optim.AdamW(ref, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05, foreach=True)
+    for step in range(STEPS):
+        for a, b, g in zip(ours, ref, _grads(shapes, step), strict=True):
+            a.grad, b.grad = g.to(a.dtype), g.to(b.dtype)
+        opt.step()
+        torch_opt.step()
+    for got, want in zip(ours, ref, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)
