@@ -1,0 +1,179 @@
+"""One rank of ``ShardedExchange``'s checks (run on 2 and 4 gloo processes by tests/optim/test_muon_sharded.py).
+
+Every case builds DTensor parameters on a CPU mesh (``distribute_tensor``, or real ``fully_shard`` /
+``parallelize_module`` parameters), then on every rank: gathers their local pieces, compares each full matrix an
+owner receives with ``full_tensor()``, publishes ``full * 2 + index`` and reassembles each rank's pieces into a
+DTensor whose ``full_tensor()`` must equal that function of the parameter, and publishes the gathered matrices
+back unchanged (the round trip must give every rank exactly its local pieces). It writes, per case, the exactness
+of each step, the owners, this rank's rank in each parameter's group, the group sizes, the costs and the number of
+``all_to_all_single`` calls one gather + publish made.
+"""
+
+import json
+import math
+import sys
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from forge_lightning.optim.muon_exchange import newton_schulz_flops
+from forge_lightning.optim.muon_sharded import ShardedExchange, default_exchange
+
+
+def _tensors(shapes: list[tuple[int, ...]], seed: int) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=gen) for shape in shapes]
+
+
+def _distribute(shapes, mesh, placements, seed: int = 0) -> list[DTensor]:
+    return [distribute_tensor(t, mesh, placements) for t in _tensors(shapes, seed)]
+
+
+def _cost(shape) -> float:
+    return newton_schulz_flops(shape) if len(shape) >= 2 else float(math.prod(shape))
+
+
+def _group_size(p: DTensor) -> int:
+    return math.prod(p.device_mesh.size(d) for d, pl in enumerate(p.placements) if not pl.is_replicate())
+
+
+def _check(
+    params: list[DTensor], wire_dtype: torch.dtype | None = None, dtype: torch.dtype | None = None
+) -> dict:
+    """``dtype``: the one the exchange returns (default: the parameters')."""
+    costs = [_cost(p.shape) for p in params]
+    exchange = ShardedExchange(params, costs, wire_dtype=wire_dtype)
+    dtype = wire_dtype or dtype
+    refs = [p.full_tensor().to(dtype or p.dtype) for p in params]  # collectives: every rank, same order
+    local = [p.to_local() for p in params]
+    with mock.patch.object(dist, "all_to_all_single", wraps=dist.all_to_all_single) as a2a:
+        full = exchange.gather(local)
+        results = {i: full[i] * 2 + i for i in full}
+        outs = exchange.publish(results)
+    round_trip = exchange.publish(exchange.gather(local))
+    published = []
+    for i, (p, out) in enumerate(zip(params, outs, strict=True)):
+        back = DTensor.from_local(out, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+        published.append(out.shape == local[i].shape and torch.equal(back.full_tensor(), refs[i] * 2 + i))
+    return {
+        "owners": exchange.owners,
+        "ranks": exchange.ranks,
+        "owned": sorted(full),
+        "is_owner": [exchange.is_owner(i) for i in range(len(params))],
+        "gather": all(torch.equal(full[i], refs[i]) and full[i].dtype == refs[i].dtype for i in full),
+        "publish": published,
+        "round_trip": [
+            torch.equal(a, b.to(a.dtype)) and a.dtype == r.dtype
+            for a, b, r in zip(round_trip, local, refs, strict=True)
+        ],
+        "group_sizes": [_group_size(p) for p in params],
+        "costs": costs,
+        "buckets": len(exchange.groups),
+        "comm_buckets": sum(g is not None for g in exchange.groups),
+        "all_to_all": a2a.call_count,
+        "local_shapes": [list(t.shape) for t in local],
+    }
+
+
+UNEVEN = [(5, 3), (3, 7), (1, 4), (6, 8), (3, 4, 5)]  # 3 x 4 x 5: a stack of 3 experts, split unevenly
+
+
+def _many(world: int) -> list[tuple[int, ...]]:
+    return [(3 + i % 5, 2 + (i * 7) % 9) if i % 4 else (2 + i % 3, 3, 4) for i in range(20)]
+
+
+def _fsdp2(mesh) -> list[DTensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 5), nn.Linear(5, 7, bias=False), nn.Embedding(3, 4))
+    fully_shard(model, mesh=mesh)
+    return list(model.parameters())
+
+
+def _fsdp2_tp(mesh) -> list[DTensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 7))
+    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=mesh["dp"])
+    return list(model.parameters())
+
+
+def _errors(mesh) -> dict:
+    errors = {}
+    sharded = _distribute([(4, 4)], mesh, [Shard(0)])
+    try:
+        default_exchange([*sharded, torch.zeros(2, 2)], [1.0, 1.0])
+    except ValueError as err:
+        errors["mixed"] = str(err)
+    partial = [DTensor.from_local(torch.zeros(2, 2), mesh, [Partial()])]
+    try:
+        ShardedExchange(partial, [1.0])
+    except ValueError as err:
+        errors["partial"] = str(err)
+    exchange = ShardedExchange(sharded, [1.0])
+    try:
+        exchange.gather([torch.zeros(3, 4)])
+    except ValueError as err:
+        errors["gather_shape"] = str(err)
+    try:
+        exchange.publish({} if exchange.is_owner(0) else {0: torch.zeros(4, 4)})
+    except ValueError as err:
+        errors["publish_keys"] = str(err)
+    errors["default_dtensor"] = type(default_exchange(sharded, [1.0])).__name__
+    try:  # ReplicatedExchange comes with the Muon optimizer's module
+        errors["default_plain"] = type(default_exchange([torch.zeros(2, 2)], [1.0])).__name__
+    except ImportError as err:
+        errors["default_plain"] = f"ImportError: {err}"
+    return errors
+
+
+def main() -> None:
+    rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    flat = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    results = {
+        "shard_1d": _check(_distribute(UNEVEN, flat, [Shard(0)])),
+        "shard_dim1": _check(_distribute([(5, 3), (2, 9), (4, 1)], flat, [Shard(1)], seed=1)),
+        "many": _check(_distribute(_many(world), flat, [Shard(0)], seed=2)),
+        "replicated": _check(
+            _distribute([(4, 3)], flat, [Replicate()], seed=3)
+            + _distribute([(5, 2)], flat, [Shard(0)], seed=4)
+        ),
+        "fsdp2": _check(_fsdp2(flat)),
+        "wire_bf16": _check(_distribute(UNEVEN, flat, [Shard(0)], seed=10), wire_dtype=torch.bfloat16),
+        "mixed_dtypes": _check(
+            [p.to(torch.bfloat16) for p in _distribute([(5, 3), (2, 2)], flat, [Shard(0)], seed=11)]
+            + _distribute([(3, 7)], flat, [Shard(0)], seed=12),
+            dtype=torch.float32,
+        ),
+        "errors": _errors(flat),
+    }
+    if world == 4:
+        hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        dp_tp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        unnamed = init_device_mesh("cpu", (2, 2))
+        shapes = [(5, 3), (3, 7), (1, 4), (6, 2), (3, 4, 5)]
+        results |= {
+            "hsdp": _check(_distribute(shapes, hsdp, [Replicate(), Shard(0)], seed=5)),
+            "dp_tp": _check(_distribute(shapes, dp_tp, [Shard(0), Shard(1)], seed=6)),
+            "dp_tp_unnamed": _check(_distribute(shapes, unnamed, [Shard(0), Shard(1)], seed=7)),
+            "mixed_meshes": _check(
+                _distribute(shapes[:3], hsdp, [Replicate(), Shard(0)], seed=8)
+                + _distribute(shapes[2:], dp_tp, [Shard(0), Shard(1)], seed=9)
+            ),
+            "fsdp2_hsdp": _check(_fsdp2(hsdp)),
+        }
+        tp_params = _fsdp2_tp(dp_tp)
+        results["fsdp2_tp"] = _check(tp_params) | {"placements": [str(p.placements) for p in tp_params]}
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
