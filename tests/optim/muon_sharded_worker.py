@@ -95,12 +95,20 @@ def _fsdp2(mesh) -> list[DTensor]:
     return list(model.parameters())
 
 
-def _fsdp2_tp(mesh) -> list[DTensor]:
+def _fsdp2_tp(tp_mesh, dp_mesh) -> list[DTensor]:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(6, 10), nn.Linear(10, 7))
-    parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "1": RowwiseParallel()})
-    fully_shard(model, mesh=mesh["dp"])
+    parallelize_module(model, tp_mesh, {"0": ColwiseParallel(), "1": RowwiseParallel()})
+    fully_shard(model, mesh=dp_mesh)
     return list(model.parameters())
+
+
+def _strategy_mesh(shape: tuple[int, int, int, int]):
+    """``FSDP2Strategy``'s mesh and its flattened dims."""
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"))
+    mesh["dp_replicate", "dp_shard"]._flatten("dp")
+    mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+    return mesh
 
 
 def _errors(mesh) -> dict:
@@ -168,8 +176,11 @@ def main() -> None:
             ),
             "fsdp2_hsdp": _check(_fsdp2(hsdp)),
         }
-        tp_params = _fsdp2_tp(dp_tp)
+        tp_params = _fsdp2_tp(dp_tp["tp"], dp_tp["dp"])
         results["fsdp2_tp"] = _check(tp_params) | {"placements": [str(p.placements) for p in tp_params]}
+        # The strategy's FSDP over its flattened dp_shard x cp dims, on top of TP: sharded on (dp_shard_cp, tp).
+        strategy = _strategy_mesh((1, 1, 2, 2))
+        results["fsdp2_cp_tp"] = _check(_fsdp2_tp(strategy["tp"], strategy["dp_shard_cp"]))
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -6,7 +6,8 @@ shards) and a 3-D expert stack (3 x 4 x 5), ``Shard(1)``, 20 parameters in one c
 a sharded one, real ``fully_shard`` parameters, a bf16 wire for fp32 parameters, bf16 and fp32 parameters in one
 bucket (exchanged in fp32); on 4 ranks also HSDP (2 x 2: Replicate, Shard(0)), dp x tp (2 x 2:
 Shard(0), Shard(1)) on a named and an unnamed mesh, parameters of both meshes in one exchange, ``fully_shard`` on
-the HSDP mesh and over ``parallelize_module``'s TP (strided shards). In each, the owners' gathered matrices must
+the HSDP mesh and over ``parallelize_module``'s TP (strided shards), on a dp x tp mesh and on ``FSDP2Strategy``'s
+mesh layout (FSDP over its flattened ``dp_shard_cp`` dim). In each, the owners' gathered matrices must
 equal ``full_tensor()`` exactly, each rank's published piece of ``full * 2 + index`` must reassemble into exactly
 that tensor, and publishing the gathered matrices must give back every local piece exactly.
 """
@@ -24,7 +25,7 @@ from forge_lightning.optim.muon_sharded import ShardedExchange, default_exchange
 
 WORKER = Path(__file__).with_name("muon_sharded_worker.py")
 CASES2 = ["shard_1d", "shard_dim1", "many", "replicated", "fsdp2", "wire_bf16", "mixed_dtypes"]
-CASES4 = [*CASES2, "hsdp", "dp_tp", "dp_tp_unnamed", "mixed_meshes", "fsdp2_hsdp", "fsdp2_tp"]
+CASES4 = [*CASES2, "hsdp", "dp_tp", "dp_tp_unnamed", "mixed_meshes", "fsdp2_hsdp", "fsdp2_tp", "fsdp2_cp_tp"]
 
 
 @pytest.fixture(scope="module")
