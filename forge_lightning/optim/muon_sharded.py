@@ -141,6 +141,13 @@ def _group(mesh: DeviceMesh, dims: tuple[int, ...]) -> dist.ProcessGroup:
     )
 
 
+def _promoted(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    dtype = dtypes[0]
+    for other in dtypes[1:]:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
 class _Bucket:
     """The parameters sharing one process group (``None``: no communication): their owners, every member's piece
     and the exchange over flat buffers."""
@@ -159,10 +166,8 @@ class _Bucket:
         self.rank = 0 if group is None else dist.get_rank(group)
         self.owners = dict(zip(indices, assign_owners([costs[i] for i in indices], self.size), strict=True))
         self.owned_by = [[i for i in indices if self.owners[i] == r] for r in range(self.size)]
-        self.dtype = wire_dtype or params[indices[0]].dtype
-        if wire_dtype is None:
-            for i in indices:
-                self.dtype = torch.promote_types(self.dtype, params[i].dtype)
+        self.wire_dtype = wire_dtype
+        self.param_dtype = _promoted([params[i].dtype for i in indices])
         self.device = params[indices[0]].to_local().device
         members = [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
         meshes: dict[int, dict[int, list[int]]] = {}
@@ -176,24 +181,25 @@ class _Bucket:
             ]
 
     def _all_to_all(
-        self, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int]
+        self, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int], dtype: torch.dtype
     ) -> torch.Tensor:
-        flat = torch.cat(send) if send else torch.empty(0, dtype=self.dtype, device=self.device)
-        out = torch.empty(sum(out_splits), dtype=self.dtype, device=self.device)
+        flat = torch.cat(send) if send else torch.empty(0, dtype=dtype, device=self.device)
+        out = torch.empty(sum(out_splits), dtype=dtype, device=self.device)
         dist.all_to_all_single(out, flat, out_splits, in_splits, group=self.group)
         return out
 
     def gather(self, local: Sequence[torch.Tensor], params: Sequence[DTensor]) -> dict[int, torch.Tensor]:
         """The full tensors this rank owns, from every member's local pieces."""
         owned = self.owned_by[self.rank]
+        dtype = self.wire_dtype or _promoted([local[i].dtype for i in self.indices])
         if self.group is None:
-            return {i: local[i].to(self.dtype) for i in owned}
+            return {i: local[i].to(dtype) for i in owned}
         # Send: to each owner in rank order, the pieces of its parameters in index order; receive the reverse.
-        send = [local[i].reshape(-1).to(self.dtype) for dest in self.owned_by for i in dest]
+        send = [local[i].reshape(-1).to(dtype) for dest in self.owned_by for i in dest]
         in_splits = [sum(self.pieces[i][self.rank].numel for i in dest) for dest in self.owned_by]
         out_splits = [sum(self.pieces[i][src].numel for i in owned) for src in range(self.size)]
-        received = self._all_to_all(send, in_splits, out_splits)
-        full = {i: torch.empty(params[i].shape, dtype=self.dtype, device=self.device) for i in owned}
+        received = self._all_to_all(send, in_splits, out_splits, dtype)
+        full = {i: torch.empty(params[i].shape, dtype=dtype, device=self.device) for i in owned}
         offset = 0
         for src in range(self.size):
             for i in owned:
@@ -205,18 +211,19 @@ class _Bucket:
     def publish(self, results: Mapping[int, torch.Tensor], outs: list[torch.Tensor | None]) -> None:
         """Fills ``outs[i]`` with this rank's piece of every parameter's result, from the owners' full results."""
         owned = self.owned_by[self.rank]
+        dtype = self.wire_dtype or self.param_dtype  # a rank that owns nothing sees no result's dtype
         if self.group is None:
             for i in owned:
-                outs[i] = results[i].to(self.dtype)
+                outs[i] = results[i].to(dtype)
             return
         send = [
-            self.pieces[i][dest].read(results[i]).reshape(-1).to(self.dtype)
+            self.pieces[i][dest].read(results[i]).reshape(-1).to(dtype)
             for dest in range(self.size)
             for i in owned
         ]
         in_splits = [sum(self.pieces[i][dest].numel for i in owned) for dest in range(self.size)]
         out_splits = [sum(self.pieces[i][self.rank].numel for i in src) for src in self.owned_by]
-        received = self._all_to_all(send, in_splits, out_splits)
+        received = self._all_to_all(send, in_splits, out_splits, dtype)
         offset = 0
         for src in self.owned_by:
             for i in src:
@@ -239,15 +246,16 @@ class ShardedExchange:
     communication.
 
     Each :meth:`gather` and :meth:`publish` makes one ``all_to_all_single`` per bucket (each HSDP replica in its
-    own group), over one flat buffer in the wire dtype; both return tensors in that dtype.
+    own group) over one flat buffer, and returns tensors in the dtype it sent: by default the promoted dtype of
+    the bucket's local tensors for :meth:`gather` (every rank must pass the same dtypes) and of its parameters
+    for :meth:`publish`.
 
     Args:
         params: the parameters, as DTensors (index ``i`` is parameter ``i`` in every call).
         costs: the cost of orthogonalising each parameter (e.g. :func:`newton_schulz_flops` of its parts).
-        wire_dtype: the dtype pieces travel and are returned in; ``None``: the promoted dtype of each bucket's
-            parameters (theirs when they share one). Muon casts its Newton-Schulz input and output to
-            ``ns_dtype`` anyway (as ``torch.optim.Muon`` does), so ``ns_dtype`` here halves the traffic of fp32
-            parameters without changing the update.
+        wire_dtype: one dtype for both directions instead. Newton-Schulz casts its input to ``ns_dtype`` first
+            and returns ``ns_dtype`` (as in ``torch.optim.Muon``), so ``ns_dtype`` here halves what fp32 parameters
+            send back without changing the update.
     """
 
     replicated = False

@@ -22,7 +22,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from forge_lightning.optim.muon_exchange import newton_schulz_flops
+from forge_lightning.optim.muon import Muon, SplitRows
+from forge_lightning.optim.muon_exchange import LocalExchange, newton_schulz_flops
 from forge_lightning.optim.muon_sharded import ShardedExchange, default_exchange
 
 
@@ -43,34 +44,46 @@ def _group_size(p: DTensor) -> int:
     return math.prod(p.device_mesh.size(d) for d, pl in enumerate(p.placements) if not pl.is_replicate())
 
 
+def _promoted(dtypes) -> torch.dtype:
+    dtype = dtypes[0]
+    for other in dtypes:
+        dtype = torch.promote_types(dtype, other)
+    return dtype
+
+
 def _check(
-    params: list[DTensor], wire_dtype: torch.dtype | None = None, dtype: torch.dtype | None = None
+    params: list[DTensor], wire_dtype: torch.dtype | None = None, local_dtype: torch.dtype | None = None
 ) -> dict:
-    """``dtype``: the one the exchange returns (default: the parameters')."""
+    """``local_dtype``: the local tensors are cast to it before the gather (as Muon casts to ``ns_dtype``)."""
     costs = [_cost(p.shape) for p in params]
     exchange = ShardedExchange(params, costs, wire_dtype=wire_dtype)
-    dtype = wire_dtype or dtype
-    refs = [p.full_tensor().to(dtype or p.dtype) for p in params]  # collectives: every rank, same order
-    local = [p.to_local() for p in params]
+    local = [p.to_local().to(local_dtype or p.dtype) for p in params]
+    gathered = wire_dtype or _promoted([t.dtype for t in local])
+    published = wire_dtype or _promoted([p.dtype for p in params])
+    refs = [p.full_tensor().to(gathered) for p in params]  # collectives: every rank, same order
     with mock.patch.object(dist, "all_to_all_single", wraps=dist.all_to_all_single) as a2a:
         full = exchange.gather(local)
-        results = {i: full[i] * 2 + i for i in full}
-        outs = exchange.publish(results)
+        outs = exchange.publish({i: full[i] * 2 + i for i in full})
     round_trip = exchange.publish(exchange.gather(local))
-    published = []
+    publish = []
     for i, (p, out) in enumerate(zip(params, outs, strict=True)):
         back = DTensor.from_local(out, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
-        published.append(out.shape == local[i].shape and torch.equal(back.full_tensor(), refs[i] * 2 + i))
+        expected = (refs[i] * 2 + i).to(published)
+        publish.append(
+            out.shape == local[i].shape
+            and out.dtype == published
+            and torch.equal(back.full_tensor(), expected)
+        )
     return {
         "owners": exchange.owners,
         "ranks": exchange.ranks,
         "owned": sorted(full),
         "is_owner": [exchange.is_owner(i) for i in range(len(params))],
-        "gather": all(torch.equal(full[i], refs[i]) and full[i].dtype == refs[i].dtype for i in full),
-        "publish": published,
+        "gather": all(torch.equal(full[i], refs[i]) and full[i].dtype == gathered for i in full),
+        "publish": publish,
         "round_trip": [
-            torch.equal(a, b.to(a.dtype)) and a.dtype == r.dtype
-            for a, b, r in zip(round_trip, local, refs, strict=True)
+            torch.equal(a, b.to(gathered).to(published)) and a.dtype == published
+            for a, b in zip(round_trip, local, strict=True)
         ],
         "group_sizes": [_group_size(p) for p in params],
         "costs": costs,
@@ -111,6 +124,42 @@ def _strategy_mesh(shape: tuple[int, int, int, int]):
     return mesh
 
 
+MUON_SHAPES = [(16, 16), (24, 8), (8, 24), (3, 10, 6), (16, 8), (10,), (6, 5)]  # five matrices, then AdamW's
+
+
+def _muon(params: list[nn.Parameter]) -> Muon:
+    opt = Muon(
+        [
+            {"params": params[:5], "use_muon": True},
+            {"params": params[5:], "use_muon": False, "lr": 3e-3, "weight_decay": 0.05},
+        ],
+        lr=0.02,
+    )
+    opt.set_matrix_split(params[4], SplitRows([8, 8]))
+    return opt
+
+
+def _muon_steps(mesh, matrix: list, vector: list) -> dict:
+    """Muon for 3 steps on DTensors placed by ``matrix`` / ``vector`` (its default exchange) against the same on
+    whole tensors in one process: the largest difference of the params, and the all_to_all calls made."""
+    whole = [nn.Parameter(t) for t in _tensors(MUON_SHAPES, 20)]
+    sharded = [
+        nn.Parameter(distribute_tensor(t.detach().clone(), mesh, matrix if t.ndim >= 2 else vector))
+        for t in whole
+    ]
+    reference, opt = _muon(whole), _muon(sharded)
+    reference.set_exchange_builder(lambda ps, costs: LocalExchange(len(ps)))
+    with mock.patch.object(dist, "all_to_all_single", wraps=dist.all_to_all_single) as a2a:
+        for step in range(3):
+            for w, p, g in zip(whole, sharded, _tensors(MUON_SHAPES, 100 + step), strict=True):
+                w.grad = g
+                p.grad = distribute_tensor(g, mesh, p.placements)
+            reference.step()
+            opt.step()
+    difference = max((p.full_tensor() - w).abs().max().item() for p, w in zip(sharded, whole, strict=True))
+    return {"difference": difference, "all_to_all": a2a.call_count}
+
+
 def _errors(mesh) -> dict:
     errors = {}
     sharded = _distribute([(4, 4)], mesh, [Shard(0)])
@@ -133,10 +182,7 @@ def _errors(mesh) -> dict:
     except ValueError as err:
         errors["publish_keys"] = str(err)
     errors["default_dtensor"] = type(default_exchange(sharded, [1.0])).__name__
-    try:  # ReplicatedExchange comes with the Muon optimizer's module
-        errors["default_plain"] = type(default_exchange([torch.zeros(2, 2)], [1.0])).__name__
-    except ImportError as err:
-        errors["default_plain"] = f"ImportError: {err}"
+    errors["default_plain"] = type(default_exchange([torch.zeros(2, 2)], [1.0])).__name__
     return errors
 
 
@@ -156,10 +202,11 @@ def main() -> None:
         "wire_bf16": _check(_distribute(UNEVEN, flat, [Shard(0)], seed=10), wire_dtype=torch.bfloat16),
         "mixed_dtypes": _check(
             [p.to(torch.bfloat16) for p in _distribute([(5, 3), (2, 2)], flat, [Shard(0)], seed=11)]
-            + _distribute([(3, 7)], flat, [Shard(0)], seed=12),
-            dtype=torch.float32,
+            + _distribute([(3, 7)], flat, [Shard(0)], seed=12)
         ),
+        "bf16_locals": _check(_distribute(UNEVEN, flat, [Shard(0)], seed=13), local_dtype=torch.bfloat16),
         "errors": _errors(flat),
+        "muon_shard": _muon_steps(flat, [Shard(0)], [Shard(0)]),
     }
     if world == 4:
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
@@ -176,6 +223,8 @@ def main() -> None:
             ),
             "fsdp2_hsdp": _check(_fsdp2(hsdp)),
         }
+        results["muon_hsdp"] = _muon_steps(hsdp, [Replicate(), Shard(0)], [Replicate(), Shard(0)])
+        results["muon_dp_tp"] = _muon_steps(dp_tp, [Shard(0), Shard(1)], [Shard(0), Replicate()])
         tp_params = _fsdp2_tp(dp_tp["tp"], dp_tp["dp"])
         results["fsdp2_tp"] = _check(tp_params) | {"placements": [str(p.placements) for p in tp_params]}
         # The strategy's FSDP over its flattened dp_shard x cp dims, on top of TP: sharded on (dp_shard_cp, tp).

@@ -4,12 +4,13 @@ world size for every case).
 Cases: a 1-D ``Shard(0)`` mesh with uneven shapes (5 x 3, 3 x 7), a row fewer than the ranks (1 x 4: empty
 shards) and a 3-D expert stack (3 x 4 x 5), ``Shard(1)``, 20 parameters in one call, a replicated parameter beside
 a sharded one, real ``fully_shard`` parameters, a bf16 wire for fp32 parameters, bf16 and fp32 parameters in one
-bucket (exchanged in fp32); on 4 ranks also HSDP (2 x 2: Replicate, Shard(0)), dp x tp (2 x 2:
+bucket (exchanged in fp32), fp32 parameters gathered from bf16 local tensors (in bf16) and published in fp32; on 4 ranks also HSDP (2 x 2: Replicate, Shard(0)), dp x tp (2 x 2:
 Shard(0), Shard(1)) on a named and an unnamed mesh, parameters of both meshes in one exchange, ``fully_shard`` on
 the HSDP mesh and over ``parallelize_module``'s TP (strided shards), on a dp x tp mesh and on ``FSDP2Strategy``'s
 mesh layout (FSDP over its flattened ``dp_shard_cp`` dim). In each, the owners' gathered matrices must
 equal ``full_tensor()`` exactly, each rank's published piece of ``full * 2 + index`` must reassemble into exactly
-that tensor, and publishing the gathered matrices must give back every local piece exactly.
+that tensor, and publishing the gathered matrices must give back every local piece exactly. ``Muon`` itself, on
+DTensor params (1-D, HSDP, dp x tp) with its default exchange, must equal one process exactly after 3 steps.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from forge_lightning.optim.muon_exchange import LocalExchange, assign_owners
 from forge_lightning.optim.muon_sharded import ShardedExchange, default_exchange
 
 WORKER = Path(__file__).with_name("muon_sharded_worker.py")
-CASES2 = ["shard_1d", "shard_dim1", "many", "replicated", "fsdp2", "wire_bf16", "mixed_dtypes"]
+CASES2 = ["shard_1d", "shard_dim1", "many", "replicated", "fsdp2", "wire_bf16", "mixed_dtypes", "bf16_locals"]
 CASES4 = [*CASES2, "hsdp", "dp_tp", "dp_tp_unnamed", "mixed_meshes", "fsdp2_hsdp", "fsdp2_tp", "fsdp2_cp_tp"]
 
 
@@ -105,6 +106,16 @@ def test_a_replicated_parameter_is_owned_by_every_rank(results2):
     case = results2[0]["replicated"]
     assert [r["replicated"]["is_owner"][0] for r in results2] == [True, True]
     assert case["buckets"] == 2 and case["comm_buckets"] == 1
+
+
+@pytest.mark.parametrize(
+    ("world", "name"), [(2, "muon_shard"), (4, "muon_shard"), (4, "muon_hsdp"), (4, "muon_dp_tp")]
+)
+def test_muon_on_dtensors_equals_one_process(results2, results4, world, name):
+    # Each rank's full params after 3 steps; the pieces travel in bf16 (ns_dtype) and come back in fp32.
+    for case in (r[name] for r in (results2 if world == 2 else results4)):
+        assert case["difference"] == 0.0, case
+        assert case["all_to_all"] == 2 * 3  # the Muon matrices share one group: a gather and a publish a step
 
 
 def test_bad_input_is_refused_by_name(results2):
