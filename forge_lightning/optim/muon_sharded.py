@@ -26,7 +26,12 @@ from torch.distributed.tensor import DTensor, Placement, Shard
 # FSDP2 over a TP-sharded dim places a strided shard; its pieces are not contiguous ranges.
 from torch.distributed.tensor.placement_types import _StridedShard, _StridedShardOffsetMode
 
-from forge_lightning.optim.muon_exchange import LocalExchange, MatrixExchange, assign_owners
+from forge_lightning.optim.muon_exchange import (
+    LocalExchange,
+    MatrixExchange,
+    ReplicatedExchange,
+    assign_owners,
+)
 
 __all__ = ["ShardedExchange", "default_exchange"]
 
@@ -253,9 +258,9 @@ class ShardedExchange:
     Args:
         params: the parameters, as DTensors (index ``i`` is parameter ``i`` in every call).
         costs: the cost of orthogonalising each parameter (e.g. :func:`newton_schulz_flops` of its parts).
-        wire_dtype: one dtype for both directions instead. Newton-Schulz casts its input to ``ns_dtype`` first
-            and returns ``ns_dtype`` (as in ``torch.optim.Muon``), so ``ns_dtype`` here halves what fp32 parameters
-            send back without changing the update.
+        wire_dtype: one dtype for both directions instead. Newton-Schulz returns ``ns_dtype`` (as in
+            ``torch.optim.Muon``, whose update adds that to the parameter), so ``ns_dtype`` here halves what the
+            owners of fp32 matrices send back and keeps the update exact (not so for AdamW's new values).
     """
 
     replicated = False
@@ -366,7 +371,5 @@ def default_exchange(params: Sequence[torch.Tensor], costs: Sequence[float]) -> 
             )
         return ShardedExchange(params, costs)  # type: ignore[arg-type]  # all DTensors, checked above
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        from forge_lightning.optim.muon_exchange import ReplicatedExchange
-
         return ReplicatedExchange(params, costs)
     return LocalExchange(len(params))

@@ -139,9 +139,10 @@ def _muon(params: list[nn.Parameter]) -> Muon:
     return opt
 
 
-def _muon_steps(mesh, matrix: list, vector: list) -> dict:
-    """Muon for 3 steps on DTensors placed by ``matrix`` / ``vector`` (its default exchange) against the same on
-    whole tensors in one process: the largest difference of the params, and the all_to_all calls made."""
+def _muon_steps(mesh, matrix: list, vector: list, wire_dtype: torch.dtype | None = None) -> dict:
+    """Muon for 3 steps on DTensors placed by ``matrix`` / ``vector`` (its default exchange, or a
+    ``ShardedExchange`` with ``wire_dtype``) against the same on whole tensors in one process: the largest
+    difference of the params, and the all_to_all calls made."""
     whole = [nn.Parameter(t) for t in _tensors(MUON_SHAPES, 20)]
     sharded = [
         nn.Parameter(distribute_tensor(t.detach().clone(), mesh, matrix if t.ndim >= 2 else vector))
@@ -149,6 +150,8 @@ def _muon_steps(mesh, matrix: list, vector: list) -> dict:
     ]
     reference, opt = _muon(whole), _muon(sharded)
     reference.set_exchange_builder(lambda ps, costs: LocalExchange(len(ps)))
+    if wire_dtype is not None:
+        opt.set_exchange_builder(lambda ps, costs: ShardedExchange(ps, costs, wire_dtype=wire_dtype))
     with mock.patch.object(dist, "all_to_all_single", wraps=dist.all_to_all_single) as a2a:
         for step in range(3):
             for w, p, g in zip(whole, sharded, _tensors(MUON_SHAPES, 100 + step), strict=True):
@@ -207,6 +210,7 @@ def main() -> None:
         "bf16_locals": _check(_distribute(UNEVEN, flat, [Shard(0)], seed=13), local_dtype=torch.bfloat16),
         "errors": _errors(flat),
         "muon_shard": _muon_steps(flat, [Shard(0)], [Shard(0)]),
+        "muon_shard_bf16_wire": _muon_steps(flat, [Shard(0)], [Shard(0)], wire_dtype=torch.bfloat16),
     }
     if world == 4:
         hsdp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))

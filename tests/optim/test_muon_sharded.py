@@ -1,16 +1,19 @@
 """``ShardedExchange`` on DTensors: ``muon_sharded_worker.py`` on 2 and 4 gloo processes (one set of processes per
 world size for every case).
 
-Cases: a 1-D ``Shard(0)`` mesh with uneven shapes (5 x 3, 3 x 7), a row fewer than the ranks (1 x 4: empty
-shards) and a 3-D expert stack (3 x 4 x 5), ``Shard(1)``, 20 parameters in one call, a replicated parameter beside
-a sharded one, real ``fully_shard`` parameters, a bf16 wire for fp32 parameters, bf16 and fp32 parameters in one
-bucket (exchanged in fp32), fp32 parameters gathered from bf16 local tensors (in bf16) and published in fp32; on 4 ranks also HSDP (2 x 2: Replicate, Shard(0)), dp x tp (2 x 2:
-Shard(0), Shard(1)) on a named and an unnamed mesh, parameters of both meshes in one exchange, ``fully_shard`` on
-the HSDP mesh and over ``parallelize_module``'s TP (strided shards), on a dp x tp mesh and on ``FSDP2Strategy``'s
-mesh layout (FSDP over its flattened ``dp_shard_cp`` dim). In each, the owners' gathered matrices must
-equal ``full_tensor()`` exactly, each rank's published piece of ``full * 2 + index`` must reassemble into exactly
-that tensor, and publishing the gathered matrices must give back every local piece exactly. ``Muon`` itself, on
-DTensor params (1-D, HSDP, dp x tp) with its default exchange, must equal one process exactly after 3 steps.
+Cases on 2 and 4 ranks: a 1-D ``Shard(0)`` mesh with uneven shapes (5 x 3, 3 x 7), fewer rows than ranks (1 x 4:
+empty shards) and a 3-D expert stack (3 x 4 x 5); ``Shard(1)``; 20 parameters in one call; a replicated parameter
+beside a sharded one; real ``fully_shard`` parameters; a bf16 wire for fp32 parameters; bf16 and fp32 parameters
+in one bucket (exchanged in fp32); fp32 parameters gathered from bf16 local tensors (in bf16) and published in
+fp32. On 4 ranks also: HSDP (2 x 2: Replicate, Shard(0)); dp x tp (2 x 2: Shard(0), Shard(1)) on a named and an
+unnamed mesh; parameters of both meshes in one exchange; ``fully_shard`` on the HSDP mesh; ``fully_shard`` over
+``parallelize_module``'s TP (strided shards) on a dp x tp mesh and on ``FSDP2Strategy``'s mesh layout (FSDP over
+its flattened ``dp_shard_cp`` dim).
+
+In each, the owners' gathered matrices must equal ``full_tensor()`` exactly, each rank's published piece of
+``full * 2 + index`` must reassemble into exactly that tensor, and publishing the gathered matrices must give back
+every local piece exactly. ``Muon`` itself on DTensor params (1-D, HSDP, dp x tp), with its default exchange and
+with a bf16 wire, must equal one process exactly after 3 steps.
 """
 
 from __future__ import annotations
@@ -108,11 +111,19 @@ def test_a_replicated_parameter_is_owned_by_every_rank(results2):
     assert case["buckets"] == 2 and case["comm_buckets"] == 1
 
 
-@pytest.mark.parametrize(
-    ("world", "name"), [(2, "muon_shard"), (4, "muon_shard"), (4, "muon_hsdp"), (4, "muon_dp_tp")]
-)
+MUON_CASES = [
+    (2, "muon_shard"),
+    (2, "muon_shard_bf16_wire"),
+    (4, "muon_shard"),
+    (4, "muon_hsdp"),
+    (4, "muon_dp_tp"),
+]
+
+
+@pytest.mark.parametrize(("world", "name"), MUON_CASES)
 def test_muon_on_dtensors_equals_one_process(results2, results4, world, name):
-    # Each rank's full params after 3 steps; the pieces travel in bf16 (ns_dtype) and come back in fp32.
+    # Each rank's full params after 3 steps. The updates travel to their owners in bf16 (Muon casts them to
+    # ns_dtype first) and come back in fp32, or in bf16 with the bf16 wire: exact either way.
     for case in (r[name] for r in (results2 if world == 2 else results4)):
         assert case["difference"] == 0.0, case
         assert case["all_to_all"] == 2 * 3  # the Muon matrices share one group: a gather and a publish a step
