@@ -6,7 +6,8 @@ owner receives with ``full_tensor()``, publishes ``full * 2 + index`` and reasse
 DTensor whose ``full_tensor()`` must equal that function of the parameter, and publishes the gathered matrices
 back unchanged (the round trip must give every rank exactly its local pieces). It writes, per case, the exactness
 of each step, the owners, this rank's rank in each parameter's group, the group sizes, the costs and the number of
-``all_to_all_single`` calls one gather + publish made.
+``all_to_all_single`` calls one gather + publish made. The ``muon_*`` cases step ``Muon`` on DTensor params beside
+one process and write the largest difference of the params.
 """
 
 import json
