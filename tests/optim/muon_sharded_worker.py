@@ -98,7 +98,7 @@ def _check(
 UNEVEN = [(5, 3), (3, 7), (1, 4), (6, 8), (3, 4, 5)]  # 3 x 4 x 5: a stack of 3 experts, split unevenly
 
 
-def _many(world: int) -> list[tuple[int, ...]]:
+def _many() -> list[tuple[int, ...]]:
     return [(3 + i % 5, 2 + (i * 7) % 9) if i % 4 else (2 + i % 3, 3, 4) for i in range(20)]
 
 
@@ -197,7 +197,7 @@ def main() -> None:
     results = {
         "shard_1d": _check(_distribute(UNEVEN, flat, [Shard(0)])),
         "shard_dim1": _check(_distribute([(5, 3), (2, 9), (4, 1)], flat, [Shard(1)], seed=1)),
-        "many": _check(_distribute(_many(world), flat, [Shard(0)], seed=2)),
+        "many": _check(_distribute(_many(), flat, [Shard(0)], seed=2)),
         "replicated": _check(
             _distribute([(4, 3)], flat, [Replicate()], seed=3)
             + _distribute([(5, 2)], flat, [Shard(0)], seed=4)
