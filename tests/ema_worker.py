@@ -17,6 +17,7 @@ import torch
 from tiny import TINY_LLM
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
+from worker_exit import exit_worker
 
 from forge_lightning.callbacks.ema import EMA
 from forge_lightning.modules.llm import CausalLM
@@ -111,9 +112,7 @@ def main() -> None:
         for name, data in runs.items():
             torch.save(data, out / f"{name}.pt")
     print("ema_worker: done", flush=True)
-    # Interpreter teardown after a gloo group occasionally aborts (see procs.assert_clean_exit): skip it.
-    sys.stderr.flush()
-    os._exit(0)
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -1,13 +1,13 @@
 """One rank of the 2-process checks in test_comm.py: ``python _dist_worker.py RANK WORLD STORE_FILE OUT_DIR``."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from worker_exit import exit_worker
 
 
 def _count_bytes(sent: dict[str, int]) -> None:
@@ -83,10 +83,7 @@ def main() -> None:
     result = {"export": export_check(rank, world), "fp8": fp8_check(rank, world)}
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
-    # The results are written. Interpreter teardown after a gloo group occasionally aborts in a C++ thread
-    # destructor ("terminate called without an active exception", torch 2.13 CPU), so exit without it.
-    sys.stdout.flush()
-    os._exit(0)
+    exit_worker()
 
 
 if __name__ == "__main__":

@@ -7,13 +7,13 @@ collectives themselves (:class:`ByteCounter`), not read back from the code under
 """
 
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from worker_exit import exit_worker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: tiny.py
 
@@ -514,10 +514,7 @@ def main() -> None:
         }
     (out / f"rank{rank}.json").write_text(json.dumps(result))
     dist.destroy_process_group()
-    # The results are written. Interpreter teardown after a gloo group occasionally aborts in a C++ thread
-    # destructor ("terminate called without an active exception", torch 2.13 CPU), so exit without it.
-    sys.stdout.flush()
-    os._exit(0)
+    exit_worker()
 
 
 if __name__ == "__main__":
