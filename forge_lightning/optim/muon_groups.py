@@ -65,7 +65,11 @@ def _declared_parts(model: nn.Module) -> dict[int, tuple[int, ...]]:
     for module in model.modules():
         if isinstance(module, MatrixParts):
             for name, sizes in module.matrix_parts().items():
-                parts[id(module.get_parameter(name))] = tuple(sizes)
+                try:
+                    param = module.get_parameter(name)
+                except AttributeError:  # a transform replaced it (LoRA's frozen base_layer): nothing to split
+                    continue
+                parts[id(param)] = tuple(sizes)
     return parts
 
 

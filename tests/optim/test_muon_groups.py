@@ -25,6 +25,7 @@ from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.model import DecoderLM
 from forge_lightning.modules.vlm.config import VLMConfig
 from forge_lightning.modules.vlm.model import VisionLanguageModel
+from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionConfig, Qwen25VisionTransformer
 from forge_lightning.modules.vlm.siglip import SiglipVisionConfig
 from forge_lightning.optim import (
     Muon,
@@ -96,6 +97,15 @@ def test_mla_latent_and_rotary_key_rows_are_split():
     fused = choices["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
     assert fused.use_muon and fused.parts == (config.mla.kv_lora_rank, config.mla.qk_rope_head_dim)
     assert choices["model.layers.1.mlp.shared_experts.gate_proj.weight"].parts is None
+
+
+def test_qwen_vit_fused_qkv_is_split_in_thirds_and_its_patch_convolution_stays_on_adamw():
+    config = Qwen25VisionConfig.from_preset("debug")
+    choices = _choices(Qwen25VisionTransformer(config))
+    width = config.hidden_size
+    assert choices["blocks.0.attn.qkv.weight"].parts == (width, width, width)
+    assert choices["blocks.0.attn.proj.weight"].parts is None
+    assert choices["patch_embed.proj.weight"].kind == "N-D"
 
 
 def _vlm() -> VisionLanguageModel:
@@ -371,3 +381,13 @@ def test_optimizer_for_component_groups_keeps_their_rates_and_checks_its_input()
     plain = [{"params": list(model.llm.parameters())}]
     with pytest.raises(ValueError, match=r"parameter groups \[0\] have no 'use_muon'"):
         optimizer_for_groups(plain, config)
+
+
+def test_lora_adapters_go_to_muon_and_frozen_fused_weights_are_left_out():
+    from forge_lightning.modules.lora import LoRAConfig, apply_lora
+
+    model = DecoderLM(LLMConfig.from_preset("debug-deepseek"))
+    apply_lora(model, LoRAConfig(rank=4, target_modules=["kv_a_proj_with_mqa"]))
+    choices = _choices(model)
+    assert choices and all("lora_" in n for n in choices)
+    assert all(c.use_muon and c.parts is None for c in choices.values())
