@@ -292,6 +292,14 @@ def test_summary_counts_matrices_by_shape_and_adamw_tensors_by_kind():
         "1-D (norms, biases) 9 (model.layers.0.self_attn.q_norm.weight, "
     )
     assert lines[2].endswith("... (+6))")
+    unnamed = [
+        {"params": [torch.zeros(4, 8)], "use_muon": True},
+        {"params": [torch.zeros(4)], "use_muon": False},
+    ]
+    assert (
+        muon_summary(unnamed).splitlines()[1]
+        == "AdamW: 1 tensors, 0.00M params: 1-D (norms, biases) 1 (group[0])"
+    )
 
 
 def test_yaml_section_reaches_the_module_through_the_forge_parser(tmp_path):
