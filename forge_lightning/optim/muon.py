@@ -229,6 +229,12 @@ class Muon(torch.optim.Optimizer):
             )
         self._full_shapes[param] = torch.Size(shape)
 
+    def set_shard_adamw_state(self, enabled: bool) -> None:
+        """Keep each AdamW param's state on one owner rank under a replicated exchange (ZeRO-1), which computes its
+        update and publishes the new values. Call it on every rank, before the first step."""
+        self._check_not_built("set_shard_adamw_state")
+        self._shard_adamw_state = enabled
+
     def set_exchange_builder(self, builder: ExchangeBuilder) -> None:
         """How the exchanges are made: ``builder(params, costs)``, called at the first step for the Muon params
         (costs: Newton-Schulz FLOPs) and, with ``shard_adamw_state``, for the AdamW params (costs: numel)."""

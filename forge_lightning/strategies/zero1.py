@@ -7,6 +7,9 @@ balanced by size) with its shard of the optimizer state, and broadcasts them to 
 Checkpoints are single files: the sharded state is consolidated on rank 0 when saving (Lightning calls the
 optimizer's ``consolidate_state_dict``), and on load each rank keeps its own partition, so a checkpoint resumes
 at any world size.
+
+``Muon`` (``optimizer.name: muon``) is not wrapped: it shards its state tensor-wise itself, every matrix's momentum
+and every AdamW tensor's moments on one owner rank (docs/optimizers.md), and consolidates it the same way.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
+
+from forge_lightning.optim.muon import Muon
 
 
 class ZeRO1Strategy(DDPStrategy):
@@ -61,6 +66,14 @@ class ZeRO1Strategy(DDPStrategy):
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
         if isinstance(optimizer, ZeroRedundancyOptimizer):
+            return optimizer
+        if isinstance(optimizer, Muon):
+            # Muon shards tensor-wise itself: each matrix's momentum (and, now, each AdamW tensor's state) on its
+            # owner rank; ZeroRedundancyOptimizer's partition would split the owners' work a second way.
+            optimizer.set_shard_adamw_state(True)
+            rank_zero_info(
+                f"{type(self).__name__}: Muon keeps each tensor's state on one owner rank of {self.world_size}"
+            )
             return optimizer
         accepted = inspect.signature(type(optimizer).__init__).parameters
         defaults = {k: v for k, v in optimizer.defaults.items() if k in accepted and k != "params"}

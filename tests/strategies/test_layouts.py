@@ -1,7 +1,8 @@
 """Every native strategy layout trains the tiny LLM to the same losses as one process at the same global batch.
 
 One ``python -m forge_lightning`` run per layout (2 processes on gloo, 5 steps, fp32); DCP / ZeRO-1 checkpoints
-written at step 3 are resumed on ONE process (a different world size) and must reproduce steps 3-4.
+written at step 3 are resumed on ONE process (a different world size) and must reproduce steps 3-4. Under
+``optimizer.name: muon`` (DDP, ZeRO-1, FSDP2, FSDP x TP on 4 processes) the final weights must match too.
 """
 
 import csv
@@ -262,3 +263,71 @@ def test_fsdp2_async_checkpoints_match_and_resume_on_one_process(runner):
         batch=4,
     )
     _assert_same(resumed, runner.reference, steps=[4])
+
+
+# Muon with fp32 Newton-Schulz (the bf16 default rounds differently ordered sums apart) at a Muon-sized learning rate;
+# the AdamW part (embedding = tied head, norms) keeps optimizer.lr. Every run also writes its final weights.
+MUON = [
+    "--optimizer.name=muon",
+    "--optimizer.muon.lr=0.02",
+    "--optimizer.muon.ns_dtype=float32",
+    "--trainer.callbacks+=family.weights_export.ExportWeights",
+]
+
+
+def _weights(root: Path, name: str) -> dict[str, torch.Tensor]:
+    return torch.load(root / "runs" / "tests" / name / "version_0" / "weights.pt", weights_only=True)
+
+
+def _assert_same_weights(root: Path, name: str, reference: str, tol: float = 1e-5) -> None:
+    """Within 1% of one AdamW step (lr 1e-3): AdamW normalises the embedding rows' near-zero gradients, whose
+    rounding depends on the order of the sums (the Muon matrices agree to about 1e-7)."""
+    ours, ref = _weights(root, name), _weights(root, reference)
+    assert sorted(ours) == sorted(ref)
+    deltas = {k: (ours[k] - ref[k]).abs().max().item() for k in ref}
+    assert max(deltas.values()) <= tol, {k: d for k, d in deltas.items() if d > tol}
+
+
+@pytest.fixture(scope="module")
+def muon_reference(runner) -> dict[int, float]:
+    return runner("muon_one", *MUON, devices=1, batch=4)
+
+
+@pytest.mark.parametrize(
+    ("name", "args", "devices", "batch"),
+    [
+        ("muon_ddp", ["--trainer.strategy=ddp"], 2, 2),
+        # FSDP x TP on 4 processes (dp 2 x tp 2): matrices sharded Shard(0) / Shard(1) over tp, then over dp_shard.
+        ("muon_fsdp_tp", ["--trainer.strategy=forge_lightning.strategies.FSDP2Strategy",
+                          "--trainer.strategy.tensor_parallel_size=2"], 4, 2),
+    ],
+)  # fmt: skip
+def test_muon_matches_one_process(runner, muon_reference, name, args, devices, batch):
+    _assert_same(runner(name, *MUON, *args, devices=devices, batch=batch), muon_reference)
+    _assert_same_weights(runner.root, name, "muon_one")
+
+
+@pytest.mark.parametrize("strategy", ["zero1", "fsdp2"])
+def test_muon_matches_one_process_and_resumes_on_one_process(runner, muon_reference, strategy):
+    """Muon's state (momentum on each matrix's owner under ZeRO-1, sharded like the weights under FSDP2) is
+    checkpointed at step 3 and resumed on one process, which reproduces steps 3-4."""
+    name = f"muon_{strategy}"
+    _assert_same(runner(name, *MUON, f"--trainer.strategy={strategy}", checkpoint=True), muon_reference)
+    _assert_same_weights(runner.root, name, "muon_one")
+    ckpt = runner.root / f"ckpt_{name}" / "epoch=0-step=3.ckpt"
+    if strategy == "zero1":
+        state = torch.load(ckpt, weights_only=True)["optimizer_states"][0]["state"]
+        # Consolidated on rank 0: momentum of the 14 hidden matrices, Adam moments of the embedding and 5 norms.
+        assert sum("momentum_buffer" in s for s in state.values()) == 14
+        assert sum("exp_avg_sq" in s for s in state.values()) == 6
+    resumed = runner(
+        f"{name}_resume",
+        *MUON,
+        f"--trainer.strategy={strategy}",
+        "--ckpt_path",
+        str(ckpt),
+        devices=1,
+        batch=4,
+    )
+    _assert_same(resumed, muon_reference, steps=[3, 4])
+    _assert_same_weights(runner.root, f"{name}_resume", "muon_one")
