@@ -21,6 +21,15 @@ tokenizer, built on the machine; same seed and data order for every path) and co
     python benchmarks/llm_throughput.py --shape qwen3-4b --seq 4096 --batch 4 --paths forge forge-fp8 \
         --loss-steps 200
 
+Muon (``optimizer: {name: muon}``: Muon on the hidden matrices, AdamW on the rest) against fused AdamW: the
+``forge-muon`` path is ``forge`` with our Muon; the table's ``opt step`` column is the optimizer step alone
+(CUDA events around it), the step-time ratio the whole training step's. With ``--loss-steps`` each optimizer runs
+at its own learning rate (``--lr`` for AdamW and Muon's AdamW part, ``--muon-lr`` for Muon):
+
+    python benchmarks/llm_throughput.py --shape llama3.2-1b --seq 4096 --batch 8 --paths forge forge-muon
+    python benchmarks/llm_throughput.py --shape llama3.2-1b --seq 4096 --batch 8 --paths forge forge-muon \
+        --loss-steps 200 --lr 3e-4 --muon-lr 0.02
+
 Prints one table last and writes benchmarks/results/llm_throughput_<shape>_<seq>[_<precision>|_loss].json.
 ``--device cpu --shape debug`` checks the script on a CPU (no compile, torch kernels).
 """
@@ -29,7 +38,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import harness  # this script's directory is on sys.path
@@ -59,8 +70,10 @@ FORGE_PATHS = {
     "forge-sdpa": {"attention": {"kernel": "sdpa"}},
     "forge-fa4": {"attention": {"kernel": "fa4"}},
 }
+# paths that are another path with our Muon as the optimizer
+MUON_PATHS = {"forge-muon": "forge"}
 HF_PATHS = ("hf-eager", "hf-compile", "hf-liger")
-PATHS = (*FORGE_PATHS, *HF_PATHS)
+PATHS = (*FORGE_PATHS, *MUON_PATHS, *HF_PATHS)
 
 
 def _build_forge(path: str, shape: str, device: str, dtype):
@@ -69,7 +82,7 @@ def _build_forge(path: str, shape: str, device: str, dtype):
     from forge_lightning.modules.llm import CausalLM
     from forge_lightning.performance import apply_performance
 
-    overrides = dict(FORGE_PATHS[path])
+    overrides = dict(FORGE_PATHS[MUON_PATHS.get(path, path)])
     if device == "cpu":
         overrides["compile"] = False
     with torch.device("meta"):
@@ -138,6 +151,18 @@ def _text_batches(data_dir: str, count: int, batch: int, seq: int, device: str):
     return [data[i].to(device) for i in range(count)]
 
 
+def _optimizer(args: argparse.Namespace, path: str, model, cuda: bool):
+    """Fused AdamW over every parameter, or (Muon paths) our Muon + AdamW as ``optimizer: {name: muon}`` builds it."""
+    import torch
+
+    if path not in MUON_PATHS:
+        return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda, foreach=not cuda or None)
+    from forge_lightning.optim import OptimizerConfig, build_optimizer
+
+    muon = {"lr": args.muon_lr, "adjust_lr_fn": args.muon_adjust_lr}
+    return build_optimizer(model.model, OptimizerConfig(name="muon", lr=args.lr, weight_decay=0.0, muon=muon))
+
+
 def run_path(args: argparse.Namespace, path: str) -> dict:
     """Train one path (``args.warmup`` + ``args.steps`` steps, or ``args.loss_steps``) and measure it."""
     import torch
@@ -146,10 +171,10 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
 
     torch.manual_seed(0)
     device, cuda = args.device, args.device == "cuda"
-    build = _build_forge if path in FORGE_PATHS else _build_hf
+    build = _build_forge if path in FORGE_PATHS or path in MUON_PATHS else _build_hf
     dtype = torch.float32 if args.precision == "autocast" else torch.bfloat16
     config, model, loss_fn = build(path, args.shape, device, dtype)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=cuda, foreach=not cuda or None)
+    optimizer = _optimizer(args, path, model, cuda)
     count = args.loss_steps or args.warmup + args.steps
     if args.loss_steps:
         batches = _text_batches(args.data_dir, count, args.batch, args.seq, device)
@@ -161,7 +186,14 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
     else:
         batches = _random_batches(config.vocab_size, count, args.batch, args.seq, device)
         scheduler = None
-    losses = []
+    losses, opt_marks = [], []  # opt_marks: (start, end) of each optimizer step: CUDA events or perf_counter
+
+    def mark():
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
 
     def step(tokens) -> None:
         with torch.autocast(device, dtype=torch.bfloat16, enabled=args.precision == "autocast"):
@@ -169,7 +201,9 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
         loss.backward()
         if args.loss_steps:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        start = mark()
         optimizer.step()
+        opt_marks.append((start, mark()))
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
             scheduler.step()
@@ -179,6 +213,8 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
     tokens_per_s = timer.rate(args.batch * args.seq)
     tflops = harness.tflops(tokens_per_s * llm_flops_per_token(config, args.seq))
     loss_values = [float(x) for x in losses]
+    timed = opt_marks[-args.steps :] if not args.loss_steps else opt_marks
+    opt_ms = [a.elapsed_time(b) if cuda else 1e3 * (b - a) for a, b in timed]
     return {
         "path": path,
         "shape": args.shape,
@@ -190,6 +226,8 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
         "mfu": harness.mfu(tflops),
         "peak_mem_gb": harness.peak_memory_gb(cuda),
         "step_s": timer.step_s,
+        "optimizer": type(optimizer).__name__,
+        "opt_step_ms": statistics.median(opt_ms),
         "final_loss": loss_values[-1],
         "last20_mean_loss": sum(loss_values[-20:]) / len(loss_values[-20:]),
         "losses": loss_values if args.loss_steps else None,
@@ -203,15 +241,17 @@ def _child(args: argparse.Namespace, path: str) -> dict:
 
 def _table(results: list[dict], reference: str, loss: bool) -> str:
     ref = harness.reference_row(results, lambda r: r["path"] == reference) or {}
-    columns = ["path", "batch", "tokens/s", "TFLOP/s", "MFU", "peak mem", "step", f"vs {reference}"]
+    columns = ["path", "optimizer", "batch", "tokens/s", "TFLOP/s", "MFU", "peak mem", "step", "opt step"]
+    columns += [f"vs {reference}"]
     columns += ["last-20 loss", "vs ref loss"] if loss else []
     rows = []
     for r in results:
         if "error" in r:
             rows.append([r["path"], harness.failed(r["error"])])
             continue
-        row = [r["path"], r["batch"], f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['tflops']:.0f}"]
+        row = [r["path"], r["optimizer"], r["batch"], f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['tflops']:.0f}"]
         row += [f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_gb']:.1f} GB", f"{r['step_s'] * 1e3:.0f} ms"]
+        row.append(f"{r['opt_step_ms']:.1f} ms")
         row.append(harness.ratio(r["tokens_per_s"], ref.get("tokens_per_s")))
         if loss:
             loss_ref = ref.get("last20_mean_loss")
@@ -234,7 +274,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--paths", nargs="+", default=["forge", "forge-eager", *HF_PATHS], choices=PATHS)
     parser.add_argument("--reference", default=None, help="path the ratio columns divide by (default: first)")
     parser.add_argument("--loss-steps", type=int, default=0, help="train on real text for this many steps")
-    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument(
+        "--lr", type=float, default=1e-4, help="AdamW's (and Muon's AdamW part's) learning rate"
+    )
+    parser.add_argument("--muon-lr", type=float, default=0.02, help="Muon's learning rate (Muon paths)")
+    parser.add_argument("--muon-adjust-lr", choices=("original", "match_rms_adamw"), default="original")
     parser.add_argument("--data-dir", default="data/quickstart", help="quick-start data (built if missing)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", default=None, help="JSON output (default benchmarks/results/...)")
