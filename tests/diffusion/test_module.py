@@ -132,15 +132,17 @@ class _Cached(torch.utils.data.Dataset):
         return {"latents": self.latents[index], "text_embeddings": self.text[index]}
 
 
-def test_fit_lowers_the_fixed_sigma_validation_loss():
+@pytest.mark.parametrize(
+    "optimizer", [{"name": "adamw", "lr": 1e-2}, {"name": "muon", "lr": 1e-2, "muon": {"lr": 0.05}}]
+)
+def test_fit_lowers_the_fixed_sigma_validation_loss(optimizer):
     torch.manual_seed(0)
-    module = WanDiffusionModule(
-        config=DIT, optimizer={"name": "adamw", "lr": 1e-2}, scheduler={"name": "constant"}
-    )
+    module = WanDiffusionModule(config=DIT, optimizer=optimizer, scheduler={"name": "constant"})
     loader = DataLoader(_Cached(), batch_size=2)
     trainer = _trainer(20)
     before = trainer.validate(module, loader, verbose=False)[0]
     trainer.fit(module, loader)
+    assert type(trainer.optimizers[0]).__name__ == {"adamw": "AdamW", "muon": "Muon"}[optimizer["name"]]
     after = trainer.validate(module, loader, verbose=False)[0]
     assert after["val/loss"] < 0.9 * before["val/loss"], (before, after)
     for sigma in (0.1, 0.5, 0.9):

@@ -121,6 +121,36 @@ def test_a_composed_model_trains_from_config_with_frozen_and_per_component_setti
     assert not any(p.requires_grad for p in module.model.vision.parameters())
 
 
+def test_a_composed_model_trains_with_muon_at_per_component_rates(
+    checkpoints: dict, shapes: Path, tmp_path: Path
+) -> None:
+    """``optimizer: {name: muon}``: each component's hidden matrices in its ``<component>/muon`` group, whose rate is
+    Muon's scaled by the component's ratio to ``optimizer.lr``; embeddings, head and vectors on AdamW."""
+    module = VisionLanguageModule(
+        checkpoints,
+        components={"vision": {"freeze": True}, "projector": {"lr": 1e-2}, "llm": {"lr": 2.5e-3}},
+        optimizer={"name": "muon", "lr": 5e-3, "weight_decay": 0.0, "muon": {"lr": 0.02}},
+        scheduler={"name": "constant", "warmup_steps": 0},
+    )
+    data = _data(shapes)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    with torch.no_grad():
+        before = (lambda s: (s[0] / s[1]).item())(module.loss_sum(batch))
+    trainer = _trainer(tmp_path, 12)
+    trainer.fit(module, datamodule=data)
+    with torch.no_grad():
+        after = (lambda s: (s[0] / s[1]).item())(module.loss_sum(batch))
+    assert after < 0.8 * before, (before, after)
+    groups = {g["name"]: g for g in trainer.optimizers[0].param_groups}
+    assert groups["projector/muon"]["initial_lr"] == pytest.approx(0.04)
+    assert groups["llm/muon"]["initial_lr"] == pytest.approx(0.01)
+    assert groups["llm/no_decay"]["initial_lr"] == 2.5e-3
+    muon_names = {n for g in groups.values() if g["use_muon"] for n in g["param_names"]}
+    assert "llm.model.layers.0.self_attn.q_proj.weight" in muon_names
+    assert not any("embed_tokens" in n or "lm_head" in n or n.endswith(".bias") for n in muon_names)
+
+
 def test_lora_trains_adapters_only_and_the_export_merges_them(
     checkpoints: dict, shapes: Path, tmp_path: Path
 ) -> None:
