@@ -6,7 +6,12 @@ iteration's FLOPs); :meth:`MatrixExchange.gather` brings the owner the full matr
 (the full tensor under DDP / ZeRO-1, a shard under FSDP2, a TP slice under Megatron), and
 :meth:`MatrixExchange.publish` hands every rank its own part of the owner's result.
 
-``LocalExchange`` is the one-process case. The distributed exchanges live beside it and share its interface.
+``LocalExchange`` is the one-process case; ``ReplicatedExchange`` the case where every rank holds every parameter
+whole (DDP, ZeRO-1): gathering costs nothing, and publishing broadcasts each owner's results, coalesced into one
+flat buffer per owner and dtype. The FSDP2 exchange (``muon_sharded``) and Megatron's share the same interface.
+
+Results passed to :meth:`MatrixExchange.publish` have their parameter's dtype, so receivers can size their buffers
+without asking the owner.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ from collections.abc import Mapping, Sequence
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
 
 
 def newton_schulz_flops(shape: Sequence[int], steps: int = 5) -> float:
@@ -76,7 +83,7 @@ class MatrixExchange(Protocol):
 
     def publish(self, results: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
         """Every parameter's result, as this rank's part (the shape of ``local[i]`` in :meth:`gather`), from the
-        owners' full ``results`` (this rank passes those of the parameters it owns)."""
+        owners' full ``results`` (this rank passes those of the parameters it owns, each in its parameter's dtype)."""
         ...
 
 
@@ -100,3 +107,90 @@ class LocalExchange:
     def publish(self, results: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
         """The results themselves, in index order."""
         return [results[i] for i in range(len(self.owners))]
+
+
+class ReplicatedExchange:
+    """Every rank holds every tensor whole (DDP, ZeRO-1): owners by :func:`assign_owners` over the group.
+
+    :meth:`gather` needs no communication (an owner already holds the full tensor); :meth:`publish` broadcasts
+    each owner's results as one flat buffer per owner and dtype, so a step costs one collective per rank that
+    owns something instead of one per parameter.
+
+    Args:
+        params: the parameters, in the order every rank indexes them.
+        costs: each parameter's cost (e.g. :func:`newton_schulz_flops`), balanced over the ranks.
+        group: the process group the tensors are replicated over (``None``: the default group).
+    """
+
+    replicated = True
+
+    def __init__(
+        self, params: Sequence[torch.Tensor], costs: Sequence[float], group: ProcessGroup | None = None
+    ) -> None:
+        if len(params) != len(costs):
+            raise ValueError(
+                f"ReplicatedExchange got {len(params)} params but {len(costs)} costs: give one cost each"
+            )
+        if not dist.is_available() or not dist.is_initialized():
+            raise ValueError(
+                "ReplicatedExchange needs an initialised process group: call torch.distributed.init_process_group "
+                "first, or use LocalExchange in one process"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.owners = assign_owners(costs, dist.get_world_size(group))
+        self._shapes = [p.shape for p in params]
+        self._dtypes = [p.dtype for p in params]
+        self._device = params[0].device if params else torch.device("cpu")
+
+    def is_owner(self, index: int) -> bool:
+        """Whether ``index``'s owner is this rank."""
+        return self.owners[index] == self.rank
+
+    def gather(self, local: Sequence[torch.Tensor | None]) -> dict[int, torch.Tensor]:
+        """This rank's owned tensors, as given (non-owners pass ``None``)."""
+        if len(local) != len(self.owners):
+            raise ValueError(f"gather got {len(local)} tensors for {len(self.owners)} params")
+        full = {}
+        for i, tensor in enumerate(local):
+            if self.is_owner(i):
+                if tensor is None:
+                    raise ValueError(f"rank {self.rank} owns param {i} but passed None to gather")
+                full[i] = tensor
+        return full
+
+    def publish(self, results: Mapping[int, torch.Tensor]) -> list[torch.Tensor]:
+        """Every result on every rank: each owner broadcasts its results (one flat buffer per dtype)."""
+        owned = {i for i in range(len(self.owners)) if self.is_owner(i)}
+        if set(results) != owned:
+            raise ValueError(
+                f"rank {self.rank} must publish exactly the params it owns {sorted(owned)}, got {sorted(results)}"
+            )
+        for i, result in results.items():
+            if result.shape != self._shapes[i] or result.dtype != self._dtypes[i]:
+                raise ValueError(
+                    f"the result of param {i} is {tuple(result.shape)} {result.dtype}; it must have its "
+                    f"param's shape {tuple(self._shapes[i])} and dtype {self._dtypes[i]}"
+                )
+        buckets: dict[tuple[int, torch.dtype], list[int]] = {}
+        for i, owner in enumerate(self.owners):
+            buckets.setdefault((owner, self._dtypes[i]), []).append(i)
+        out: list[torch.Tensor | None] = [results.get(i) for i in range(len(self.owners))]
+        pending = []
+        for (owner, dtype), indices in buckets.items():
+            if owner == self.rank:
+                flat = torch.cat([results[i].reshape(-1) for i in indices])
+            else:
+                numel = sum(self._shapes[i].numel() for i in indices)
+                flat = torch.empty(numel, dtype=dtype, device=self._device)
+            pending.append(
+                (dist.broadcast(flat, group=self.group, group_src=owner, async_op=True), flat, owner, indices)
+            )
+        for work, flat, owner, indices in pending:
+            work.wait()
+            if owner != self.rank:
+                for i, part in zip(
+                    indices, flat.split([self._shapes[i].numel() for i in indices]), strict=True
+                ):
+                    out[i] = part.view(self._shapes[i])
+        return out  # type: ignore[return-value]
