@@ -1,5 +1,13 @@
 """Optimizers and learning-rate schedules configured from YAML."""
 
+from forge_lightning.optim.muon_groups import (
+    MatrixParts,
+    ParamChoice,
+    choose_params,
+    muon_groups,
+    muon_summary,
+)
+from forge_lightning.optim.muon_options import DEFAULT_ADAMW_PARAMS, MuonOptions
 from forge_lightning.optim.param_groups import (
     OptimizerConfig,
     build_optimizer,
@@ -10,12 +18,19 @@ from forge_lightning.optim.param_groups import (
 from forge_lightning.optim.schedulers import SchedulerConfig, build_scheduler, lr_lambda
 
 __all__ = [
+    "DEFAULT_ADAMW_PARAMS",
+    "MatrixParts",
+    "MuonOptions",
     "OptimizerConfig",
+    "ParamChoice",
     "SchedulerConfig",
     "build_optimizer",
     "build_scheduler",
+    "choose_params",
     "component_param_groups",
     "lr_lambda",
+    "muon_groups",
+    "muon_summary",
     "optimizer_for_groups",
     "param_groups",
 ]

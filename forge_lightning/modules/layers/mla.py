@@ -110,6 +110,10 @@ class MultiLatentAttention(SelfAttention):
             if isinstance(module, nn.Linear):
                 init_linear(module, self.init_std)
 
+    def matrix_parts(self) -> dict[str, tuple[int, ...]]:
+        """``kv_a_proj_with_mqa`` fuses the key/value latent rows and the shared rotary key rows."""
+        return {"kv_a_proj_with_mqa.weight": (self.kv_lora_rank, self.rope_dim)}
+
     def _queries(self, x_BSD: Tensor) -> Tensor:
         if hasattr(self, "q_proj"):
             return self.q_proj(x_BSD)

@@ -258,6 +258,12 @@ class Experts(nn.Module):
         nn.init.normal_(self.gate_up_proj, mean=0.0, std=self.init_std)
         nn.init.normal_(self.down_proj, mean=0.0, std=self.init_std)
 
+    def matrix_parts(self) -> dict[str, tuple[int, ...]]:
+        """Both weights are stacks of one matrix per expert; ``gate_up_proj`` fuses the gate and up rows (Muon
+        orthogonalises them apart, as separate ``gate_proj`` / ``up_proj`` would be)."""
+        intermediate = self.down_proj.shape[-1]
+        return {"gate_up_proj": (intermediate, intermediate), "down_proj": (self.down_proj.shape[-2],)}
+
     def forward(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor]:
         """Mix each token's chosen experts.
 
