@@ -13,11 +13,12 @@ a router, a replicated down projection) get an owner too, which computes for the
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
 
 from forge_lightning.optim.muon_exchange import assign_owners
 
@@ -146,13 +147,15 @@ class TensorParallelExchange:
         return self.owners[index] == self.rank
 
     def gather(self, local: Sequence[Tensor | None]) -> dict[int, Tensor]:
-        """The full matrices of the parameters this rank owns, from every TP rank's shard ``local[i]``."""
+        """The full matrices of the parameters this rank owns, from every TP rank's shard ``local[i]`` (one dtype,
+        in which they travel: Muon casts to its Newton-Schulz dtype first)."""
         self._check(local)
+        dtype = local[0].dtype if local else self._dtype
         sharded = [i for i, d in enumerate(self._dims) if d is not None]
         mine = [i for i in sharded if self.is_owner(i)]
         sends = [[local[i] for i in sharded if self.owners[i] == dest] for dest in range(self.size)]
         recv = [[] if src == self.rank else mine for src in range(self.size)]
-        received = self._all_to_all(sends, recv)
+        received = self._all_to_all(sends, recv, dtype)
         full = {i: local[i] for i, d in enumerate(self._dims) if d is None and self.is_owner(i)}
         for k, i in enumerate(mine):
             shards = [local[i] if src == self.rank else received[src][k] for src in range(self.size)]
@@ -173,7 +176,7 @@ class TensorParallelExchange:
             [] if src == self.rank else [i for i in range(count) if self.owners[i] == src]
             for src in range(self.size)
         ]
-        received = self._all_to_all(sends, recv)
+        received = self._all_to_all(sends, recv, self._dtype)
         out: list[Tensor] = [None] * count  # type: ignore[list-item]  # every index is filled below
         for i in owned:
             out[i] = pieces[i][self.rank]
@@ -201,18 +204,20 @@ class TensorParallelExchange:
             return [full] * self.size
         return list(full.chunk(self.size, dim=dim))
 
-    def _all_to_all(self, sends: list[list[Tensor]], recv: list[list[int]]) -> list[list[Tensor]]:
+    def _all_to_all(
+        self, sends: list[list[Tensor]], recv: list[list[int]], dtype: torch.dtype
+    ) -> list[list[Tensor]]:
         """Send ``sends[dest]`` to every other rank; receive from each rank ``src`` the local-shaped tensors of the
-        parameters ``recv[src]``, in order (nothing travels to or from this rank itself)."""
+        parameters ``recv[src]``, in order (nothing travels to or from this rank itself), all in ``dtype``."""
         if self.size == 1:
             return [[]]
         sends = [[] if dest == self.rank else ts for dest, ts in enumerate(sends)]
-        flat_in = [t.reshape(-1).to(self._dtype) for ts in sends for t in ts]
+        flat_in = [t.reshape(-1).to(dtype) for ts in sends for t in ts]
         in_sizes = [sum(t.numel() for t in ts) for ts in sends]
         out_sizes = [sum(_numel(self._shapes[i]) for i in indices) for indices in recv]
         device = flat_in[0].device if flat_in else self._device
-        out = torch.empty(sum(out_sizes), dtype=self._dtype, device=device)
-        packed = torch.cat(flat_in) if flat_in else torch.empty(0, dtype=self._dtype, device=device)
+        out = torch.empty(sum(out_sizes), dtype=dtype, device=device)
+        packed = torch.cat(flat_in) if flat_in else torch.empty(0, dtype=dtype, device=device)
         dist.all_to_all_single(out, packed, out_sizes, in_sizes, group=self.group)
         received = []
         for indices, chunk in zip(recv, out.split(out_sizes), strict=True):
@@ -228,3 +233,202 @@ def _numel(shape: Sequence[int]) -> int:
     for s in shape:
         n *= s
     return n
+
+
+# ----- the optimizer over megatron's chunks -------------------------------------------------------------------------
+
+
+def _full_shape(param: Tensor, group_size: int) -> tuple[int, ...]:
+    shape = list(param.shape)
+    dim = partition_dim(param, group_size)
+    if dim is not None:
+        shape[dim] *= group_size
+    return tuple(shape)
+
+
+def matrix_split(name: str, config: Any, blocks: int) -> Any | None:
+    """The split of megatron parameter ``name`` into the matrices it fuses (``None``: orthogonalised whole).
+
+    Args:
+        name: the parameter's name in its chunk.
+        config: the chunk's ``TransformerConfig``.
+        blocks: the TP ranks the parameter is split over (the expert TP size for routed experts).
+    """
+    from forge_lightning.optim.muon import SplitRows
+
+    if name.endswith("self_attention.linear_qkv.weight"):
+        groups = config.num_query_groups or config.num_attention_heads
+        return FusedQKVSplit(config.num_attention_heads // groups, config.kv_channels)
+    if name.endswith("linear_fc1.weight") and config.gated_linear_unit:
+        return GatedSplit(blocks)
+    if name.endswith(
+        "self_attention.linear_kv_down_proj.weight"
+    ):  # MLA: [key/value latent; shared rotary key]
+        return SplitRows((config.kv_lora_rank, config.qk_pos_emb_head_dim))
+    return None
+
+
+def _routed_expert(name: str) -> bool:
+    return ".experts." in name and ".shared_experts." not in name
+
+
+def _no_decay_tables(chunks: Sequence[nn.Module]) -> set[int]:
+    """Ids of the embedding tables (megatron's ``VocabParallelEmbedding`` and plain ``nn.Embedding``)."""
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    return {
+        id(m.weight)
+        for chunk in chunks
+        for m in chunk.modules()
+        if isinstance(m, nn.Embedding | VocabParallelEmbedding)
+    }
+
+
+def _groups(choices: Sequence[Any], config: Any, tables: set[int], *, expert: bool) -> list[dict[str, Any]]:
+    """The Muon group and AdamW's decay / no-decay groups of ``choices`` (all three, empty or not, so that every
+    rank has the same groups), with the keys megatron's checkpoint loading matches groups by."""
+    decay_all = config.decay_norms_biases_embeddings
+
+    def decayed(c: Any) -> bool:
+        shared = getattr(c.param, "shared_embedding", False)
+        return decay_all or (c.param.ndim >= 2 and id(c.param) not in tables and not shared)
+
+    members = {
+        "muon": [c for c in choices if c.use_muon],
+        "decay": [c for c in choices if not c.use_muon and decayed(c)],
+        "no_decay": [c for c in choices if not c.use_muon and not decayed(c)],
+    }
+    settings = {
+        "muon": (config.muon_lr, config.muon_weight_decay),
+        "decay": (config.lr, config.weight_decay),
+        "no_decay": (config.lr, 0.0),
+    }
+    groups = []
+    for kind, chosen in members.items():
+        lr, weight_decay = settings[kind]
+        groups.append(
+            {
+                "params": [c.param for c in chosen],
+                "param_names": [c.name for c in chosen],
+                "use_muon": kind == "muon",
+                "lr": lr,
+                "weight_decay": weight_decay,
+                "name": f"{'experts/' if expert else ''}{kind}",
+                # megatron's checkpoint load matches groups by these keys (param_group_identifier_keys); the Muon
+                # group has its own learning rate (optimizer.muon.lr), hence is_decoupled_lr, which keeps it
+                # apart from AdamW's decayed group. Our scheduler sets the rates; megatron's would read them.
+                "wd_mult": 0.0 if kind == "no_decay" else 1.0,
+                "lr_mult": 1.0,
+                "is_expert_parallel": expert,
+                "is_decoupled_lr": kind == "muon",
+                "max_lr": lr,
+                "min_lr": 0.0,
+                "default_config": kind != "muon",
+            }
+        )
+    return groups
+
+
+def _init_state(optimizer: torch.optim.Optimizer, config: Any = None) -> None:
+    """megatron's ``init_state_fn``: the zero state a fresh optimizer lacks before it loads a checkpoint."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if optimizer.state[param]:
+                continue
+            if group["use_muon"]:
+                optimizer.state[param]["momentum_buffer"] = torch.zeros_like(param)
+            else:
+                optimizer.state[param].update(
+                    step=torch.tensor(0.0),
+                    exp_avg=torch.zeros_like(param),
+                    exp_avg_sq=torch.zeros_like(param),
+                )
+
+
+def build_muon_optimizer(chunks: Sequence[nn.Module], config: Any, megatron_config: Any) -> Any:
+    """Our :class:`~forge_lightning.optim.muon.Muon` inside megatron's plain optimizer wrappers, chained: one for
+    the dense parameters (TP group), one for the routed experts (expert TP group) when there are any.
+
+    megatron's gradient reduction, clipping (the norm over each part's model-parallel group), loss scaling,
+    bf16 main weights (``Float16OptimizerWithFloat16Params``; ``FP32Optimizer`` in fp32) and
+    ``sharded_state_dict`` work as for its Adam. Which parameters Muon takes is the native rule
+    (:func:`~forge_lightning.optim.muon_groups.choose_params` on megatron's names: the default
+    ``optimizer.muon.adamw_params`` send ``*word_embeddings*`` and ``*output_layer*`` to AdamW); with
+    ``optimizer.muon.split_fused`` the fused ``linear_qkv`` (q, k, v), gated ``linear_fc1`` (gate, up) and MLA's
+    ``linear_kv_down_proj`` are orthogonalised part by part, as the unfused Hugging Face matrices would be.
+
+    Args:
+        chunks: the DDP-wrapped model chunks (and a composed model's encoder side).
+        config: the module's optimizer settings (``name: muon``).
+        megatron_config: megatron's ``OptimizerConfig`` (its ``bf16``, ``clip_grad``; not distributed).
+    """
+    from megatron.core import parallel_state
+    from megatron.core.optimizer import ChainedOptimizer
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    from forge_lightning.optim.muon_groups import choose_params
+    from forge_lightning.strategies.megatron.wrapping import chunk_config
+
+    inner = [getattr(chunk, "module", chunk) for chunk in chunks]
+    prefixes = [""] if len(inner) == 1 else [f"chunk{i}." for i in range(len(inner))]
+    choices = choose_params(
+        list(zip(prefixes, inner, strict=True)), config.muon, config.decay_norms_biases_embeddings
+    )
+    tables = _no_decay_tables(inner)
+    tp_group = parallel_state.get_tensor_model_parallel_group()
+    etp_group = parallel_state.get_expert_tensor_parallel_group()
+    sizes = {False: dist.get_world_size(tp_group), True: dist.get_world_size(etp_group)}
+    tf_config = chunk_config(chunks[0])
+    parts = []
+    for expert, group, stats_group in (
+        (False, tp_group, parallel_state.get_model_parallel_group()),
+        (True, etp_group, parallel_state.get_expert_tensor_model_pipeline_parallel_group()),
+    ):
+        mine = [c for c in choices if _routed_expert(c.name) == expert]
+        if expert and not mine:
+            continue
+        muon = _muon(_groups(mine, config, tables, expert=expert), config)
+        if megatron_config.bf16:
+            wrapped = Float16OptimizerWithFloat16Params(muon, megatron_config, None, _init_state)
+        else:
+            wrapped = FP32Optimizer(muon, megatron_config, _init_state)
+        wrapped.grad_stats_parallel_group = stats_group
+        wrapped.tp_group = tp_group
+        for c in mine:
+            if not c.use_muon:
+                continue
+            main = getattr(c.param, "main_param", c.param)  # the fp32 copy the bf16 wrapper steps
+            muon.set_matrix_shape(main, _full_shape(c.param, sizes[expert]))
+            split = matrix_split(c.name, tf_config, sizes[expert]) if config.muon.split_fused else None
+            if split is not None:
+                muon.set_matrix_split(main, split)
+        muon.set_exchange_builder(_tensor_parallel_builder(group))
+        parts.append(wrapped)
+    return ChainedOptimizer(parts)
+
+
+def _tensor_parallel_builder(group: dist.ProcessGroup) -> Callable[[Sequence[Tensor], Sequence[float]], Any]:
+    def build(params: Sequence[Tensor], costs: Sequence[float]) -> TensorParallelExchange:
+        return TensorParallelExchange(params, costs, group)
+
+    return build
+
+
+def _muon(groups: list[dict[str, Any]], config: Any) -> Any:
+    from forge_lightning.optim.muon import Muon
+
+    options = config.muon
+    return Muon(
+        groups,
+        lr=config.muon_lr,
+        weight_decay=config.muon_weight_decay,
+        momentum=options.momentum,
+        nesterov=options.nesterov,
+        ns_coefficients=tuple(options.ns_coefficients),
+        eps=options.eps,
+        ns_steps=options.ns_steps,
+        adjust_lr_fn=options.adjust_lr_fn,
+        ns_dtype=getattr(torch, options.ns_dtype),
+        betas=tuple(config.betas),
+        adam_eps=config.eps,
+    )
