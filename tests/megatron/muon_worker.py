@@ -7,7 +7,8 @@
   owner (by megatron name), and whether ``publish`` of ``2 * full + rank`` gives each rank ``2 * shard + owner``;
 * ``dense_tp2`` / ``dense_tp1``: the dense twin's Hugging Face weights after ``STEPS`` Muon steps at TP = 2 and at
   TP = 1 (DP = 2, each rank half of every global batch), fp32;
-* ``moe_ep2`` / ``moe_ep1``: the same for the Qwen3-MoE debug twin at EP = 2 and EP = 1 (both DP = 2);
+* ``moe_ep2`` / ``moe_tp2_sp`` / ``moe_ep1``: the same for the Qwen3-MoE debug twin at EP = 2, at TP = 2 with
+  sequence parallelism (experts split over TP: the expert TP group exchanges them) and at EP = 1 (DP = 2);
 * ``resume``: TP = 2, a dist-checkpoint after the first step (megatron ``sharded_state_dict``, model + optimizer),
   then fresh chunks and optimizer load it and take the remaining steps at TP = 2 and at TP = 1.
 """
@@ -137,6 +138,9 @@ CASES = {
     "dense_tp2": lambda out: _trained(dense_config(), tensor_model_parallel_size=2),
     "dense_tp1": lambda out: _trained(dense_config()),
     "moe_ep2": lambda out: _trained(moe_config("qwen3_moe"), expert_model_parallel_size=2),
+    "moe_tp2_sp": lambda out: _trained(
+        moe_config("qwen3_moe"), tensor_model_parallel_size=2, sequence_parallel=True
+    ),
     "moe_ep1": lambda out: _trained(moe_config("qwen3_moe")),
     "resume": resume_case,
 }

@@ -1,6 +1,7 @@
 """Muon under MegatronStrategy: the tensor-parallel exchange, the fused-matrix splits and the optimizer's steps.
 
-The 2-process cases run in one launch of ``muon_worker.py`` (TP = 2 and EP = 2 on gloo), shared by the tests.
+The 2-process cases run in one launch of ``muon_worker.py`` (TP = 2 and EP = 2 on gloo), shared by the tests;
+the ``forge fit`` runs (``fit_plan``) share conftest's ``fit_runs`` launches with the other modules.
 """
 
 from pathlib import Path
@@ -8,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import torchrun
+from fit_plan import fit_step
 from moe_reference import build_twin
 from muon_reference import (
     dense_config,
@@ -21,11 +23,15 @@ from muon_reference import (
 from forge_lightning.strategies.megatron.muon import FusedQKVSplit, GatedSplit, TensorParallelExchange
 
 HERE = Path(__file__).resolve().parent
-CASES = ("exchange", "dense_tp2", "dense_tp1", "moe_ep2", "moe_ep1", "resume")
+TINY_YAML = HERE.parents[1] / "tests" / "configs" / "tiny_llm.yaml"
+STRATEGY = "forge_lightning.strategies.megatron.MegatronStrategy"
+MUON_CLI = ("--optimizer.name", "muon", "--optimizer.muon.lr", "0.02", "--optimizer.muon.ns_dtype", "float32")
+CASES = ("exchange", "dense_tp2", "dense_tp1", "moe_ep2", "moe_tp2_sp", "moe_ep1", "resume")
 # Max |a - b| of a weight after 3 steps, fp32, between layouts and against the one-process reference (measured
-# <= 6e-7); the output head's AdamW update divides by its first moments' root, which magnifies the rounding of
-# near-zero logit gradients (vocab-parallel cross-entropy against the native one; measured <= 3.7e-5).
-LAYOUT_TOL = 1e-6
+# <= 2.4e-7 for the Muon matrices, <= 1.1e-6 for AdamW's norms under sequence parallelism); the output head's AdamW
+# update divides by its second moments' root, which magnifies the rounding of near-zero logit gradients
+# (vocab-parallel cross-entropy against the native one; measured <= 3.7e-5).
+LAYOUT_TOL = 5e-6
 HEAD_TOL = 1e-4
 
 
@@ -124,8 +130,9 @@ def test_tp2_equals_tp1_and_torch_muon_on_the_unfused_matrices(runs, monkeypatch
         _assert_close(runs[layout], reference, layout)
 
 
-def test_ep2_equals_ep1(runs):
-    _assert_close(runs["moe_ep2"], runs["moe_ep1"], "moe")
+def test_moe_at_ep2_and_at_tp2_with_split_experts_equals_ep1(runs):
+    _assert_close(runs["moe_ep2"], runs["moe_ep1"], "moe ep2")
+    _assert_close(runs["moe_tp2_sp"], runs["moe_ep1"], "moe tp2 sp")
 
 
 def test_resume_from_a_dist_checkpoint_continues_exactly(runs):
@@ -176,3 +183,63 @@ def test_bf16_steps_fp32_main_weights(megatron_world):
     megatron_step(chunks, optimizer, config, step_batches(config, 1)[0])
     assert all(not torch.equal(a, b) for a, b in zip(before, mains, strict=True))
     assert all(torch.isfinite(p).all() for p in mains)
+
+
+def _fit(
+    corpus: dict[str, Path],
+    name: str,
+    *args: str,
+    devices: int,
+    batch: int,
+    error: bool = False,
+    muon: bool = True,
+) -> dict:
+    """The plan step of ``forge fit`` of the tiny YAML (tied embeddings) for 3 steps, with Muon unless not ``muon``."""
+    cli = ["fit", "--config", str(TINY_YAML), *(MUON_CLI if muon else ()), "--trainer.max_steps", "3"]
+    cli += ["--data.data_prefix", str(corpus["prefix"]), "--data.tokenizer", str(corpus["tokenizer"])]
+    cli += [
+        "--trainer.limit_val_batches",
+        "0",
+        "--trainer.devices",
+        str(devices),
+        "--data.batch_size",
+        str(batch),
+    ]
+    cli += ["--trainer.logger.init_args.name", name, *args]
+    return fit_step(name, cli, nproc=devices, expect_error=error)
+
+
+def fit_plan(corpus: dict[str, Path], root: Path) -> list[dict]:
+    """This module's ``forge fit`` runs (names prefixed ``muon_``): the default strategy on one process, megatron
+    at TP = 2 (saving a checkpoint at step 2), its checkpoint resumed with AdamW (refused) and the refused
+    distributed optimizer."""
+    tp = ("--trainer.strategy", STRATEGY, "--trainer.strategy.tensor_model_parallel_size")
+    no_ckpt = ("--trainer.enable_checkpointing", "false")
+    saving = (
+        "--trainer.callbacks=[{class_path: lightning.pytorch.callbacks.ModelCheckpoint, init_args: "
+        f"{{dirpath: {root / 'ckpt_muon_tp2'}, every_n_train_steps: 2, save_top_k: -1}}}}]"
+    )
+    resume = ("--ckpt_path", str(root / "ckpt_muon_tp2" / "epoch=0-step=2.ckpt"), *no_ckpt)
+    distributed = ("--trainer.strategy.use_distributed_optimizer", "true", *no_ckpt)
+    return [
+        _fit(corpus, "muon_reference", *no_ckpt, devices=1, batch=4),
+        _fit(corpus, "muon_tp2", *tp, "2", saving, devices=2, batch=4),
+        _fit(corpus, "muon_resumed_as_adamw", *tp, "2", *resume, devices=2, batch=4, error=True, muon=False),
+        _fit(corpus, "muon_distopt_refused", *tp, "1", *distributed, devices=2, batch=2, error=True),
+    ]
+
+
+def _losses(rows: list[dict[str, str]]) -> dict[int, float]:
+    return {int(r["step"]): float(r["train/loss"]) for r in rows if r.get("train/loss")}
+
+
+def test_forge_fit_under_megatron_tp2_matches_the_default_strategy(fit_runs):
+    """``optimizer: {name: muon}`` picks the same Muon / AdamW split and updates under both: the losses agree."""
+    reference, tp2 = _losses(fit_runs.rows("muon_reference")), _losses(fit_runs.rows("muon_tp2"))
+    assert sorted(reference) == sorted(tp2) == [0, 1, 2]
+    assert reference[2] < reference[0]
+    deltas = {s: abs(tp2[s] - reference[s]) for s in reference}
+    assert max(deltas.values()) <= 1e-5, deltas
+    assert "use_distributed_optimizer=false" in fit_runs.error("muon_distopt_refused")
+    error = fit_runs.error("muon_resumed_as_adamw")
+    assert "'muon': True}, this run has {'distributed': False, 'bf16': False}" in error, error

@@ -362,11 +362,12 @@ def build_muon_optimizer(chunks: Sequence[nn.Module], config: Any, megatron_conf
         config: the module's optimizer settings (``name: muon``).
         megatron_config: megatron's ``OptimizerConfig`` (its ``bf16``, ``clip_grad``; not distributed).
     """
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
     from megatron.core import parallel_state
     from megatron.core.optimizer import ChainedOptimizer
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
-    from forge_lightning.optim.muon_groups import choose_params
+    from forge_lightning.optim.muon_groups import choose_params, muon_summary
     from forge_lightning.strategies.megatron.wrapping import chunk_config
 
     inner = [getattr(chunk, "module", chunk) for chunk in chunks]
@@ -387,7 +388,9 @@ def build_muon_optimizer(chunks: Sequence[nn.Module], config: Any, megatron_conf
         mine = [c for c in choices if _routed_expert(c.name) == expert]
         if expert and not mine:
             continue
-        muon = _muon(_groups(mine, config, tables, expert=expert), config)
+        groups = _groups(mine, config, tables, expert=expert)
+        rank_zero_info(("Routed experts' " if expert else "") + muon_summary(groups))
+        muon = _muon(groups, config)
         if megatron_config.bf16:
             wrapped = Float16OptimizerWithFloat16Params(muon, megatron_config, None, _init_state)
         else:
