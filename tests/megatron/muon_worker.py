@@ -7,8 +7,9 @@
   owner (by megatron name), and whether ``publish`` of ``2 * full + rank`` gives each rank ``2 * shard + owner``;
 * ``dense_tp2`` / ``dense_tp1``: the dense twin's Hugging Face weights after ``STEPS`` Muon steps at TP = 2 and at
   TP = 1 (DP = 2, each rank half of every global batch), fp32;
-* ``moe_ep2`` / ``moe_tp2_sp`` / ``moe_ep1``: the same for the Qwen3-MoE debug twin at EP = 2, at TP = 2 with
-  sequence parallelism (experts split over TP: the expert TP group exchanges them) and at EP = 1 (DP = 2);
+* ``moe_ep2`` / ``moe_tp2_sp`` / ``moe_tp2_sp_etp1`` / ``moe_ep1``: the same for the Qwen3-MoE debug twin at
+  EP = 2, at TP = 2 with sequence parallelism (experts split over TP: the expert TP group exchanges them, or whole
+  on both ranks at ETP = 1) and at EP = 1 (DP = 2);
 * ``resume``: TP = 2, a dist-checkpoint after the first step (megatron ``sharded_state_dict``, model + optimizer),
   then fresh chunks and optimizer load it and take the remaining steps at TP = 2 and at TP = 1.
 """
@@ -73,6 +74,7 @@ def _layout(**degrees: int) -> None:
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=degrees.get("tensor_model_parallel_size", 1),
         expert_model_parallel_size=degrees.get("expert_model_parallel_size", 1),
+        expert_tensor_parallel_size=degrees.get("expert_tensor_parallel_size"),
     )
     model_parallel_cuda_manual_seed(0)
 
@@ -140,6 +142,12 @@ CASES = {
     "moe_ep2": lambda out: _trained(moe_config("qwen3_moe"), expert_model_parallel_size=2),
     "moe_tp2_sp": lambda out: _trained(
         moe_config("qwen3_moe"), tensor_model_parallel_size=2, sequence_parallel=True
+    ),
+    "moe_tp2_sp_etp1": lambda out: _trained(
+        moe_config("qwen3_moe"),
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        expert_tensor_parallel_size=1,
     ),
     "moe_ep1": lambda out: _trained(moe_config("qwen3_moe")),
     "resume": resume_case,

@@ -26,7 +26,16 @@ HERE = Path(__file__).resolve().parent
 TINY_YAML = HERE.parents[1] / "tests" / "configs" / "tiny_llm.yaml"
 STRATEGY = "forge_lightning.strategies.megatron.MegatronStrategy"
 MUON_CLI = ("--optimizer.name", "muon", "--optimizer.muon.lr", "0.02", "--optimizer.muon.ns_dtype", "float32")
-CASES = ("exchange", "dense_tp2", "dense_tp1", "moe_ep2", "moe_tp2_sp", "moe_ep1", "resume")
+CASES = (
+    "exchange",
+    "dense_tp2",
+    "dense_tp1",
+    "moe_ep2",
+    "moe_tp2_sp",
+    "moe_tp2_sp_etp1",
+    "moe_ep1",
+    "resume",
+)
 # Max |a - b| of a weight after 3 steps, fp32, between layouts and against the one-process reference (measured
 # <= 2.4e-7 for the Muon matrices, <= 1.1e-6 for AdamW's norms under sequence parallelism); the output head's AdamW
 # update divides by its second moments' root, which magnifies the rounding of near-zero logit gradients
@@ -130,9 +139,10 @@ def test_tp2_equals_tp1_and_torch_muon_on_the_unfused_matrices(runs, monkeypatch
         _assert_close(runs[layout], reference, layout)
 
 
-def test_moe_at_ep2_and_at_tp2_with_split_experts_equals_ep1(runs):
+def test_moe_at_ep2_and_at_tp2_with_split_or_whole_experts_equals_ep1(runs):
     _assert_close(runs["moe_ep2"], runs["moe_ep1"], "moe ep2")
     _assert_close(runs["moe_tp2_sp"], runs["moe_ep1"], "moe tp2 sp")
+    _assert_close(runs["moe_tp2_sp_etp1"], runs["moe_ep1"], "moe tp2 sp etp1")
 
 
 def test_resume_from_a_dist_checkpoint_continues_exactly(runs):

@@ -252,7 +252,7 @@ def matrix_split(name: str, config: Any, blocks: int) -> Any | None:
     Args:
         name: the parameter's name in its chunk.
         config: the chunk's ``TransformerConfig``.
-        blocks: the TP ranks the parameter is split over (the expert TP size for routed experts).
+        blocks: the TP ranks the parameter is split over (those of the expert TP group for experts apart).
     """
     from forge_lightning.optim.muon import SplitRows
 
@@ -266,10 +266,6 @@ def matrix_split(name: str, config: Any, blocks: int) -> Any | None:
     ):  # MLA: [key/value latent; shared rotary key]
         return SplitRows((config.kv_lora_rank, config.qk_pos_emb_head_dim))
     return None
-
-
-def _routed_expert(name: str) -> bool:
-    return ".experts." in name and ".shared_experts." not in name
 
 
 def _no_decay_tables(chunks: Sequence[nn.Module]) -> set[int]:
@@ -346,8 +342,10 @@ def _init_state(optimizer: torch.optim.Optimizer, config: Any = None) -> None:
 
 
 def build_muon_optimizer(chunks: Sequence[nn.Module], config: Any, megatron_config: Any) -> Any:
-    """Our :class:`~forge_lightning.optim.muon.Muon` inside megatron's plain optimizer wrappers, chained: one for
-    the dense parameters (TP group), one for the routed experts (expert TP group) when there are any.
+    """Our :class:`~forge_lightning.optim.muon.Muon` inside megatron's plain optimizer wrappers, chained as
+    megatron chains its Adam: one part for the parameters whose gradients megatron reduces over the data-parallel
+    group (exchanged over the TP group), one for the routed experts it reduces over the expert-data-parallel group
+    (EP > 1 or ETP != TP; exchanged over the expert TP group), when any rank has them.
 
     megatron's gradient reduction, clipping (the norm over each part's model-parallel group), loss scaling,
     bf16 main weights (``Float16OptimizerWithFloat16Params``; ``FP32Optimizer`` in fp32) and
@@ -362,52 +360,76 @@ def build_muon_optimizer(chunks: Sequence[nn.Module], config: Any, megatron_conf
         config: the module's optimizer settings (``name: muon``).
         megatron_config: megatron's ``OptimizerConfig`` (its ``bf16``, ``clip_grad``; not distributed).
     """
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
     from megatron.core import parallel_state
     from megatron.core.optimizer import ChainedOptimizer
-    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
-    from forge_lightning.optim.muon_groups import choose_params, muon_summary
-    from forge_lightning.strategies.megatron.wrapping import chunk_config
+    from forge_lightning.optim.muon_groups import choose_params
 
     inner = [getattr(chunk, "module", chunk) for chunk in chunks]
     prefixes = [""] if len(inner) == 1 else [f"chunk{i}." for i in range(len(inner))]
     choices = choose_params(
         list(zip(prefixes, inner, strict=True)), config.muon, config.decay_norms_biases_embeddings
     )
-    tables = _no_decay_tables(inner)
+    apart = [c for c in choices if not getattr(c.param, "allreduce", True)]
+    # Every rank builds the same parts (a pipeline stage without experts too): their gradient norms are collective.
+    any_apart = torch.tensor([float(bool(apart))], device=choices[0].param.device if choices else "cpu")
+    dist.all_reduce(any_apart, op=dist.ReduceOp.MAX)
     tp_group = parallel_state.get_tensor_model_parallel_group()
-    etp_group = parallel_state.get_expert_tensor_parallel_group()
-    sizes = {False: dist.get_world_size(tp_group), True: dist.get_world_size(etp_group)}
-    tf_config = chunk_config(chunks[0])
-    parts = []
-    for expert, group, stats_group in (
-        (False, tp_group, parallel_state.get_model_parallel_group()),
-        (True, etp_group, parallel_state.get_expert_tensor_model_pipeline_parallel_group()),
-    ):
-        mine = [c for c in choices if _routed_expert(c.name) == expert]
-        if expert and not mine:
-            continue
-        groups = _groups(mine, config, tables, expert=expert)
-        rank_zero_info(("Routed experts' " if expert else "") + muon_summary(groups))
-        muon = _muon(groups, config)
-        if megatron_config.bf16:
-            wrapped = Float16OptimizerWithFloat16Params(muon, megatron_config, None, _init_state)
-        else:
-            wrapped = FP32Optimizer(muon, megatron_config, _init_state)
-        wrapped.grad_stats_parallel_group = stats_group
-        wrapped.tp_group = tp_group
-        for c in mine:
-            if not c.use_muon:
-                continue
-            main = getattr(c.param, "main_param", c.param)  # the fp32 copy the bf16 wrapper steps
-            muon.set_matrix_shape(main, _full_shape(c.param, sizes[expert]))
-            split = matrix_split(c.name, tf_config, sizes[expert]) if config.muon.split_fused else None
-            if split is not None:
-                muon.set_matrix_split(main, split)
-        muon.set_exchange_builder(_tensor_parallel_builder(group))
-        parts.append(wrapped)
+    specs = [([c for c in choices if getattr(c.param, "allreduce", True)], False, tp_group)]
+    if any_apart.item():
+        specs.append((apart, True, parallel_state.get_expert_tensor_parallel_group()))
+    tables = _no_decay_tables(inner)
+    parts = [
+        _part(members, config, megatron_config, tables, apart=is_apart, group=group, chunk=chunks[0])
+        for members, is_apart, group in specs
+    ]
+    for part in parts:
+        part.tp_group = tp_group
     return ChainedOptimizer(parts)
+
+
+def _part(
+    members: Sequence[Any],
+    config: Any,
+    megatron_config: Any,
+    tables: set[int],
+    *,
+    apart: bool,
+    group: dist.ProcessGroup,
+    chunk: nn.Module,
+) -> Any:
+    """One megatron optimizer of the chain: Muon over ``members`` (``ParamChoice`` s), wrapped, its matrices'
+    full shapes and splits set and its exchange over ``group``."""
+    from lightning.pytorch.utilities.rank_zero import rank_zero_info
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
+
+    from forge_lightning.optim.muon_groups import muon_summary
+    from forge_lightning.strategies.megatron.wrapping import chunk_config
+
+    groups = _groups(members, config, tables, expert=apart)
+    rank_zero_info(("Experts apart: " if apart else "") + muon_summary(groups))
+    muon = _muon(groups, config)
+    if megatron_config.bf16:
+        wrapped = Float16OptimizerWithFloat16Params(muon, megatron_config, None, _init_state)
+    else:
+        wrapped = FP32Optimizer(muon, megatron_config, _init_state)
+    wrapped.grad_stats_parallel_group = (
+        parallel_state.get_expert_tensor_model_pipeline_parallel_group()
+        if apart
+        else parallel_state.get_model_parallel_group()
+    )
+    size, tf_config = dist.get_world_size(group), chunk_config(chunk)
+    for c in members:
+        if not c.use_muon:
+            continue
+        main = getattr(c.param, "main_param", c.param)  # the fp32 copy the bf16 wrapper steps
+        muon.set_matrix_shape(main, _full_shape(c.param, size))
+        split = matrix_split(c.name, tf_config, size) if config.muon.split_fused else None
+        if split is not None:
+            muon.set_matrix_split(main, split)
+    muon.set_exchange_builder(_tensor_parallel_builder(group))
+    return wrapped
 
 
 def _tensor_parallel_builder(group: dist.ProcessGroup) -> Callable[[Sequence[Tensor], Sequence[float]], Any]:
