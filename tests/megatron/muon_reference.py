@@ -126,3 +126,21 @@ def reference_weights(
         muon.step()
         adamw.step()
     return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def native_muon_weights(config: LLMConfig, steps: list[list[dict]]) -> dict[str, torch.Tensor]:
+    """The native MoE model (``moe_reference``'s) after ``steps`` of the native path's Muon
+    (``build_optimizer`` of ``optimizer_config()``: expert stacks, fused ``gate_up_proj`` / ``kv_a_proj_with_mqa``
+    orthogonalised part by part), its weights under Hugging Face names (one tensor per expert)."""
+    from moe_reference import native_model as moe_native_model
+    from moe_reference import native_reference
+
+    from forge_lightning.modules.llm.hf import split_experts
+    from forge_lightning.optim import build_optimizer
+
+    model = moe_native_model(config)
+    optimizer = build_optimizer(model, optimizer_config())
+    for batches in steps:
+        native_reference(model, batches)  # the global batch's gradients (router losses included)
+        optimizer.step()
+    return {k: v.detach().clone() for k, v in split_experts(model.state_dict()).items()}

@@ -9,7 +9,7 @@
   TP = 1 (DP = 2, each rank half of every global batch), fp32;
 * ``moe_ep2`` / ``moe_tp2_sp`` / ``moe_tp2_sp_etp1`` / ``moe_ep1``: the same for the Qwen3-MoE debug twin at
   EP = 2, at TP = 2 with sequence parallelism (experts split over TP: the expert TP group exchanges them, or whole
-  on both ranks at ETP = 1) and at EP = 1 (DP = 2);
+  on both ranks at ETP = 1) and at EP = 1 (DP = 2); ``deepseek_ep2``: the DeepSeek-V3 debug twin (MLA) at EP = 2;
 * ``resume``: TP = 2, a dist-checkpoint after the first step (megatron ``sharded_state_dict``, model + optimizer),
   then fresh chunks and optimizer load it and take the remaining steps at TP = 2 and at TP = 1.
 """
@@ -27,6 +27,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from megatron.core import parallel_state  # noqa: E402
 from moe_reference import build_twin, moe_config  # noqa: E402
+from moe_reference import native_model as moe_native_model  # noqa: E402
 from muon_reference import (  # noqa: E402
     dense_config,
     megatron_optimizer,
@@ -83,7 +84,8 @@ def _train(config, degrees: dict, steps: list, chunks=None, optimizer=None) -> t
     """``steps`` optimizer steps of the twin at ``degrees`` (parallel state set), each DP rank its share of every
     global batch; returns the chunks and the optimizer."""
     if chunks is None:
-        chunks = build_twin(native_model(config), **degrees)
+        model = native_model(config) if config.moe is None else moe_native_model(config)
+        chunks = build_twin(model, **degrees)
         optimizer = megatron_optimizer(chunks)
     dp_rank, dp_size = parallel_state.get_data_parallel_rank(), parallel_state.get_data_parallel_world_size()
     for batches in steps:
@@ -150,6 +152,7 @@ CASES = {
         expert_tensor_parallel_size=1,
     ),
     "moe_ep1": lambda out: _trained(moe_config("qwen3_moe")),
+    "deepseek_ep2": lambda out: _trained(moe_config("deepseek_v3"), expert_model_parallel_size=2),
     "resume": resume_case,
 }
 

@@ -111,8 +111,9 @@ class TensorParallelExchange:
     A TP-sharded parameter's owner receives every rank's shard and concatenates them along the parameter's
     ``partition_dim`` (the TP rank order is the shard order); its result goes back cut the same way. A parameter
     whole on every rank is computed by its owner only and sent whole. Owners balance the costs over the group.
-    Each direction is one ``all_to_all``: every rank's tensors for one destination travel packed in one buffer, in
-    the parameters' dtype (megatron's optimizer steps fp32 main parameters).
+    Each direction is one ``all_to_all``: every rank's tensors for one destination travel packed in one buffer, the
+    updates in their own dtype (Muon's Newton-Schulz dtype), the results in the parameters' (megatron's optimizer
+    steps fp32 main parameters).
 
     Args:
         params: the parameters (this rank's shards), index ``i`` everywhere; one dtype.
@@ -261,9 +262,8 @@ def matrix_split(name: str, config: Any, blocks: int) -> Any | None:
         return FusedQKVSplit(config.num_attention_heads // groups, config.kv_channels)
     if name.endswith("linear_fc1.weight") and config.gated_linear_unit:
         return GatedSplit(blocks)
-    if name.endswith(
-        "self_attention.linear_kv_down_proj.weight"
-    ):  # MLA: [key/value latent; shared rotary key]
+    if name.endswith("self_attention.linear_kv_down_proj.weight"):
+        # MLA: [key/value latent; shared rotary key]
         return SplitRows((config.kv_lora_rank, config.qk_pos_emb_head_dim))
     return None
 
