@@ -164,6 +164,7 @@ class Muon(torch.optim.Optimizer):
         self._shard_adamw_state = shard_adamw_state
         self._splits: dict[Tensor, MatrixSplit] = {}
         self._full_shapes: dict[Tensor, torch.Size] = {}
+        self._lr_shapes: dict[Tensor, tuple[int, int]] = {}
         self._builder: ExchangeBuilder | None = None
         self._built = False
         self._muon: list[tuple[Tensor, dict]] = []
@@ -185,8 +186,7 @@ class Muon(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a Muon (``use_muon: True``) or AdamW (``use_muon: False``) group, before the first step."""
-        if self._built:
-            raise ValueError("Muon builds its exchanges at the first step: add every param group before it")
+        self._check_not_built("add_param_group")
         if not isinstance(param_group, dict) or not isinstance(param_group.get("use_muon"), bool):
             raise ValueError(
                 "every Muon param group is a dict with 'use_muon': True (hidden matrices) or False (AdamW: "
@@ -202,6 +202,7 @@ class Muon(torch.optim.Optimizer):
     def set_matrix_split(self, param: Tensor, split: MatrixSplit) -> None:
         """Orthogonalise ``param``'s full matrix as the parts ``split`` cuts it into (each with its own lr
         adjustment). Call it on every rank, before the first step."""
+        self._check_not_built("set_matrix_split")
         group = self._group_of(param)
         if not group["use_muon"]:
             raise ValueError(
@@ -218,7 +219,9 @@ class Muon(torch.optim.Optimizer):
 
     def set_matrix_shape(self, param: Tensor, shape: Sequence[int]) -> None:
         """The whole matrix's shape of a param that holds a plain slice of it (Megatron's tensor parallelism),
-        which the lr adjustment and the split use. DTensors and whole tensors need no call."""
+        which the lr adjustment and the split use. DTensors and whole tensors need no call. Call it on every rank,
+        before the first step."""
+        self._check_not_built("set_matrix_shape")
         group = self._group_of(param)
         if len(shape) != param.ndim:
             raise ValueError(
@@ -229,8 +232,7 @@ class Muon(torch.optim.Optimizer):
     def set_exchange_builder(self, builder: ExchangeBuilder) -> None:
         """How the exchanges are made: ``builder(params, costs)``, called at the first step for the Muon params
         (costs: Newton-Schulz FLOPs) and, with ``shard_adamw_state``, for the AdamW params (costs: numel)."""
-        if self._built:
-            raise ValueError("Muon built its exchanges at the first step: set the builder before it")
+        self._check_not_built("set_exchange_builder")
         self._builder = builder
 
     @torch.no_grad()
@@ -293,6 +295,10 @@ class Muon(torch.optim.Optimizer):
             self._refresh()
             self._prune()
 
+    def _check_not_built(self, what: str) -> None:
+        if self._built:
+            raise ValueError(f"Muon builds its exchanges at the first step: call {what} before it")
+
     def _group_of(self, param: Tensor) -> dict:
         for group in self.param_groups:
             if any(p is param for p in group["params"]):
@@ -314,6 +320,8 @@ class Muon(torch.optim.Optimizer):
 
     def _build(self) -> None:
         self._refresh()
+        # The matrix the lr adjustment reads: the first part's (other parts are rescaled to it in _join).
+        self._lr_shapes = {p: tuple(self._part_shapes(p)[0][-2:]) for p, _ in self._muon}
         builder = self._builder or _default_exchange_builder
         if self._muon:
             costs = [
@@ -357,7 +365,7 @@ class Muon(torch.optim.Optimizer):
                 continue
             p_local = _local(p)
             p_local.mul_(1 - group["lr"] * group["weight_decay"])
-            rows, cols = self._part_shapes(p)[0][-2:]
+            rows, cols = self._lr_shapes[p]
             p_local.add_(outs[i], alpha=-adjusted_lr(group["lr"], group["adjust_lr_fn"], rows, cols))
 
     def _momentum_update(self, p: Tensor, group: dict) -> Tensor:
@@ -369,7 +377,7 @@ class Muon(torch.optim.Optimizer):
         return grad.lerp(buf, group["momentum"]) if group["nesterov"] else buf
 
     def _orthogonalize(self, full: Mapping[int, Tensor]) -> dict[int, Tensor]:
-        """Each owned full update's Newton-Schulz result, in its param's dtype; parts of one shape (and the same
+        """Each owned full update's Newton-Schulz result, contiguous, in its param's dtype; parts of one shape (and the same
         iteration settings) run as one batched call."""
         parts: dict[int, list[Tensor]] = {}
         batches: dict[tuple, list[tuple[int, int]]] = {}
@@ -377,7 +385,9 @@ class Muon(torch.optim.Optimizer):
             p, group = self._muon[i]
             if x.shape != self._full_shape(p):
                 raise ValueError(
-                    f"the exchange gave {_name(group, p)} as {tuple(x.shape)}, not its full shape"
+                    f"the exchange gave {_name(group, p)} as {tuple(x.shape)}, not its full shape "
+                    f"{tuple(self._full_shape(p))}: for a param holding a plain slice of its matrix (tensor "
+                    "parallelism), call Muon.set_matrix_shape with the whole matrix's shape"
                 )
             split = self._splits.get(p)
             parts[i] = split.parts(x) if split is not None else [x]
@@ -408,44 +418,58 @@ class Muon(torch.optim.Optimizer):
             ref = adjusted_lr(1.0, fn, *shapes[0])
             done = [t * (adjusted_lr(1.0, fn, *s) / ref) for t, s in zip(done, shapes, strict=True)]
         split = self._splits.get(p)
-        return split.join(done) if split is not None else done[0]
+        joined = split.join(done) if split is not None else done[0]
+        return joined.contiguous()  # a tall matrix comes back transposed; exchanges may send raw storage
 
     def _adamw_step(self) -> None:
         exchange = self._adamw_exchange
-        results: dict[int, Tensor] = {}
+        updated: dict[int, list[Tensor]] = {}  # id(group) -> the params this rank steps
+        groups: dict[int, dict] = {}
         for i, (p, group) in enumerate(self._adamw):
-            if exchange is not None and not exchange.is_owner(i):
-                continue
-            if p.grad is not None:
-                self._adamw_update(p, group)
-            if exchange is not None:
-                results[i] = p.detach()
+            if p.grad is not None and (exchange is None or exchange.is_owner(i)):
+                updated.setdefault(id(group), []).append(p)
+                groups[id(group)] = group
+        for key, params in updated.items():
+            self._adamw_update(params, groups[key])
         if exchange is not None:
+            results = {i: p.detach() for i, (p, _) in enumerate(self._adamw) if exchange.is_owner(i)}
             outs = exchange.publish(results)
             for i, (p, _) in enumerate(self._adamw):
                 if not exchange.is_owner(i):
                     p.copy_(outs[i])
 
-    def _adamw_update(self, p: Tensor, group: dict) -> None:
-        """torch.optim.AdamW's single-tensor update on the local tensors."""
-        state = self.state[p]
-        if not state:
-            state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
-            state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        param, grad = _local(p), _local(p.grad)
-        exp_avg, exp_avg_sq = _local(state["exp_avg"]), _local(state["exp_avg_sq"])
+    def _adamw_update(self, params: list[Tensor], group: dict) -> None:
+        """torch.optim.AdamW's update (decoupled decay) of one group's params on their local tensors, with foreach
+        ops per device and dtype (torch's default on accelerators; on CPU the same numbers as its per-tensor
+        loop)."""
         lr, weight_decay, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        state["step"] += 1
-        if weight_decay != 0:
-            param.mul_(1 - lr * weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-        step = state["step"].item()
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(eps)
-        param.addcdiv_(exp_avg, denom, value=-(lr / (1 - beta1**step)))
+        buckets: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = torch.tensor(0.0, dtype=_scalar_dtype())
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            state["step"] += 1
+            local = _local(p)
+            buckets.setdefault((local.device, local.dtype), []).append(p)
+        for bucket in buckets.values():
+            states = [self.state[p] for p in bucket]
+            param = [_local(p) for p in bucket]
+            grad = [_local(p.grad) for p in bucket]
+            exp_avg = [_local(s["exp_avg"]) for s in states]
+            exp_avg_sq = [_local(s["exp_avg_sq"]) for s in states]
+            steps = [s["step"].item() for s in states]
+            if weight_decay != 0:
+                torch._foreach_mul_(param, 1 - lr * weight_decay)
+            torch._foreach_lerp_(exp_avg, grad, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sq, beta2)
+            torch._foreach_addcmul_(exp_avg_sq, grad, grad, 1 - beta2)
+            denom = torch._foreach_sqrt(exp_avg_sq)
+            torch._foreach_div_(denom, [(1 - beta2**step) ** 0.5 for step in steps])
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(param, exp_avg, denom, [-(lr / (1 - beta1**step)) for step in steps])
 
 
 def _name(group: dict, param: Tensor) -> str:

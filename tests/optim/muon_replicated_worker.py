@@ -4,7 +4,8 @@ Every rank holds the same params and the same grads (as after DDP's all-reduce) 
 exchange is a ``ReplicatedExchange`` (with and without ``shard_adamw_state``), beside the same optimizer in one
 process (``LocalExchange``). It writes the largest difference between the two runs' params, which params' state
 each rank keeps, how rank 0's consolidated state dict differs from the one-process one, and how runs resumed from
-a full state dict (one process -> 2 ranks, 2 ranks -> one process) differ from uninterrupted ones.
+a full state dict (one process -> 2 ranks, 2 ranks -> one process) differ from uninterrupted ones; then the same
+for DTensor params sharded by rows under a plain all-gather exchange.
 """
 
 import copy
@@ -13,18 +14,23 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from forge_lightning.optim.muon import Muon, SplitRows
-from forge_lightning.optim.muon_exchange import LocalExchange, ReplicatedExchange
+from forge_lightning.optim.muon_exchange import LocalExchange, ReplicatedExchange, assign_owners
 
 SHAPES = [(16, 16), (24, 8), (8, 24), (16, 16), (3, 10, 6), (16, 8), (10,), (6, 5)]
 MUON = 6  # the first six are matrices; then a norm and an embedding for AdamW
 FIRST, THEN = 3, 2
 
 
-def _params() -> list[torch.Tensor]:
+EVEN_SHAPES = [(4, 10, 6) if len(s) == 3 else s for s in SHAPES]  # rows that split evenly over 2 ranks
+
+
+def _params(shapes: list[tuple[int, ...]] = SHAPES) -> list[torch.Tensor]:
     gen = torch.Generator().manual_seed(0)
-    return [torch.randn(s, generator=gen) for s in SHAPES]
+    return [torch.randn(s, generator=gen) for s in shapes]
 
 
 def _optimizer(params: list[torch.Tensor], distributed: bool, shard_adamw_state: bool) -> Muon:
@@ -109,6 +115,61 @@ def _case(shard_adamw_state: bool) -> dict:
     return result
 
 
+class _RowShardExchange:
+    """A plain exchange of DTensors sharded by rows over the group (even shards): owners all-gather each matrix,
+    publish broadcasts each result whole and every rank keeps its rows. It checks Muon's DTensor handling; the
+    project's FSDP2 exchange is tested on its own."""
+
+    replicated = False
+
+    def __init__(self, params, costs) -> None:
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.owners = assign_owners(costs, self.world)
+        self._shapes = [p.shape for p in params]
+        self._dtypes = [p.dtype for p in params]
+
+    def is_owner(self, index: int) -> bool:
+        return self.owners[index] == self.rank
+
+    def gather(self, local):
+        full = {}
+        for i, t in enumerate(local):
+            shards = [torch.empty_like(t) for _ in range(self.world)]
+            dist.all_gather(shards, t.contiguous())
+            if self.is_owner(i):
+                full[i] = torch.cat(shards)
+        return full
+
+    def publish(self, results):
+        out = []
+        for i, shape in enumerate(self._shapes):
+            whole = results[i] if self.is_owner(i) else torch.empty(shape, dtype=self._dtypes[i])
+            dist.broadcast(whole, src=self.owners[i])
+            out.append(whole.chunk(self.world)[self.rank])
+        return out
+
+
+def _dtensor_case() -> dict:
+    """Row-sharded DTensor params (every shape's rows split evenly over 2 ranks) equal one process."""
+    reference = _params(EVEN_SHAPES)
+    one = _optimizer(reference, False, False)
+    _run(one, reference, 0, FIRST + THEN)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    params = [distribute_tensor(p, mesh, [Shard(0)]) for p in _params(EVEN_SHAPES)]
+    opt = _optimizer(params, False, False)
+    opt.set_exchange_builder(lambda ps, costs: _RowShardExchange(ps, costs))
+    for step in range(FIRST + THEN):
+        gen = torch.Generator().manual_seed(100 + step)
+        for p in params:
+            p.grad = distribute_tensor(torch.randn(p.shape, generator=gen), mesh, [Shard(0)])
+        opt.step()
+    states = [v for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor) and v.ndim > 0]
+    return {
+        "params": _max_diff([p.full_tensor() for p in params], reference),
+        "state_is_dtensor": all(isinstance(v, DTensor) for v in states) and len(states) == MUON + 4,
+    }
+
+
 def main() -> None:
     rank, world, store, out = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4]
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
@@ -117,6 +178,7 @@ def main() -> None:
     default = Muon([{"params": params[:MUON], "use_muon": True}])
     _run(default, params, 0, 1)
     results["default_exchange"] = type(default._muon_exchange).__name__
+    results["dtensor"] = _dtensor_case()
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()

@@ -288,10 +288,14 @@ def test_late_groups_and_builders_are_refused():
     opt = Muon([{"params": [w], "use_muon": True}])
     w.grad = torch.ones(4, 4)
     opt.step()
-    with pytest.raises(ValueError, match="before the first step|before it"):
+    with pytest.raises(ValueError, match="call add_param_group before it"):
         opt.add_param_group({"params": [torch.zeros(4, 4)], "use_muon": True})
-    with pytest.raises(ValueError, match="before it"):
+    with pytest.raises(ValueError, match="call set_exchange_builder before it"):
         opt.set_exchange_builder(lambda ps, cs: LocalExchange(len(ps)))
+    with pytest.raises(ValueError, match="call set_matrix_split before it"):
+        opt.set_matrix_split(w, SplitRows([2, 2]))
+    with pytest.raises(ValueError, match="call set_matrix_shape before it"):
+        opt.set_matrix_shape(w, (8, 4))
 
 
 class _ShardedLike(LocalExchange):
@@ -305,3 +309,65 @@ def test_shard_adamw_state_needs_a_replicated_exchange():
     b.grad = torch.ones(4)
     with pytest.raises(ValueError, match="shard_adamw_state to false"):
         opt.step()
+
+
+class _TwoEqualRowShards:
+    """A tensor-parallel exchange in one process: the param is the top half of a ``[2 m, n]`` matrix whose other
+    half (on a second, imaginary rank) always equals it."""
+
+    replicated = False
+    rank = 0
+    owners = [0]
+
+    def is_owner(self, index):
+        return True
+
+    def gather(self, local):
+        return {0: torch.cat([local[0], local[0]])}
+
+    def publish(self, results):
+        return [results[0][: results[0].shape[0] // 2]]
+
+
+def test_a_slice_uses_its_whole_matrix_shape():
+    (half,) = _tensors([(8, 4)], 0)  # its [16, 4] matrix: original lr adjustment 2, not the slice's sqrt(2)
+    full = torch.cat([half, half])
+    ref = torch.optim.Muon([full], lr=0.02)
+    ours = [half.clone()]
+    opt = Muon([{"params": ours, "use_muon": True}], lr=0.02)
+    opt.set_matrix_shape(ours[0], (16, 4))
+    opt.set_exchange_builder(lambda ps, costs: _TwoEqualRowShards())
+    for step in range(STEPS):
+        grad = _grads([(8, 4)], step)[0]
+        ours[0].grad = grad.clone()
+        full.grad = torch.cat([grad, grad])
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(ours[0], full[:8], atol=1e-6, rtol=0)
+
+
+def test_a_slice_without_its_whole_shape_is_refused():
+    w = torch.zeros(8, 4)
+    opt = Muon([{"params": [w], "use_muon": True}])
+    opt.set_exchange_builder(lambda ps, costs: _TwoEqualRowShards())
+    w.grad = torch.ones(8, 4)
+    with pytest.raises(ValueError, match="set_matrix_shape"):
+        opt.step()
+
+
+def test_adamw_groups_equal_torch_foreach_adamw_over_mixed_dtypes():
+    shapes = [(10,), (6, 5), (7,)]
+    start = [
+        t.to(d)
+        for t, d in zip(_tensors(shapes, 0), [torch.float32, torch.bfloat16, torch.float32], strict=True)
+    ]
+    ours, ref = [t.clone() for t in start], [t.clone() for t in start]
+    opt = Muon([{"params": ours, "use_muon": False, "lr": 3e-3, "weight_decay": 0.05}])
+    torch_opt = torch.optim.AdamW(ref, lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.05, foreach=True)
+    for step in range(STEPS):
+        for a, b, g in zip(ours, ref, _grads(shapes, step), strict=True):
+            a.grad, b.grad = g.to(a.dtype), g.to(b.dtype)
+        opt.step()
+        torch_opt.step()
+    for got, want in zip(ours, ref, strict=True):
+        assert got.dtype == want.dtype and torch.equal(got, want)

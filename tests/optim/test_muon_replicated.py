@@ -3,7 +3,8 @@ processes with identical params and grads, with and without ``shard_adamw_state`
 
 Each rank keeps the state of the params it owns only; after ``consolidate_state_dict`` rank 0's state dict equals
 the one-process one; a one-process state dict loaded on 2 ranks, and rank 0's consolidated one loaded in one
-process, continue exactly as the uninterrupted runs.
+process, continue exactly as the uninterrupted runs. A plain row-sharded exchange of DTensor params (the worker's
+own, not the FSDP2 one) checks that Muon steps DTensors on their local tensors and keeps DTensor state.
 """
 
 from pathlib import Path
@@ -57,3 +58,9 @@ def test_full_state_dict_resumes_exactly_at_another_world_size(results, case, di
 
 def test_default_exchange_of_plain_params_is_replicated(results):
     assert all(rank["default_exchange"] == "ReplicatedExchange" for rank in results)
+
+
+def test_row_sharded_dtensors_equal_one_process(results):
+    for rank in results:
+        assert rank["dtensor"]["params"] == 0.0, rank["dtensor"]
+        assert rank["dtensor"]["state_is_dtensor"]
