@@ -1,5 +1,6 @@
 """Optimizers and learning-rate schedules configured from YAML."""
 
+from forge_lightning.optim.muon import MatrixSplit, Muon, SplitRows
 from forge_lightning.optim.muon_groups import (
     MatrixParts,
     ParamChoice,
@@ -20,10 +21,13 @@ from forge_lightning.optim.schedulers import SchedulerConfig, build_scheduler, l
 __all__ = [
     "DEFAULT_ADAMW_PARAMS",
     "MatrixParts",
+    "MatrixSplit",
+    "Muon",
     "MuonOptions",
     "OptimizerConfig",
     "ParamChoice",
     "SchedulerConfig",
+    "SplitRows",
     "build_optimizer",
     "build_scheduler",
     "choose_params",

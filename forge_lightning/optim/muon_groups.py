@@ -65,7 +65,11 @@ def _declared_parts(model: nn.Module) -> dict[int, tuple[int, ...]]:
     for module in model.modules():
         if isinstance(module, MatrixParts):
             for name, sizes in module.matrix_parts().items():
-                parts[id(module.get_parameter(name))] = tuple(sizes)
+                try:
+                    param = module.get_parameter(name)
+                except AttributeError:  # a transform replaced it (LoRA's frozen base_layer): nothing to split
+                    continue
+                parts[id(param)] = tuple(sizes)
     return parts
 
 
@@ -95,7 +99,7 @@ def choose_params(
         decay_all: AdamW decays norms, biases and embeddings too (``decay_norms_biases_embeddings``).
 
     Raises:
-        ValueError: a ``muon_params`` pattern matches a parameter Muon cannot take, or no trainable parameter.
+        ValueError: a ``muon_params`` pattern matches a parameter Muon cannot take, or matches none.
     """
     choices: list[ParamChoice] = []
     seen: set[int] = set()
@@ -204,8 +208,10 @@ def muon_summary(groups: Sequence[dict[str, Any]]) -> str:
     fused: list[str] = []
     kinds: dict[str, list[str]] = {}
     for group in groups:
-        splits = group.get("row_splits") or [None] * len(group["params"])
-        for name, param, split in zip(group["param_names"], group["params"], splits, strict=True):
+        count = len(group["params"])
+        splits = group.get("row_splits") or [None] * count
+        names = group.get("param_names") or [f"{group.get('name', 'group')}[{j}]" for j in range(count)]
+        for name, param, split in zip(names, group["params"], splits, strict=True):
             if group["use_muon"]:
                 muon_count += 1
                 matrices += param.shape[0] if param.ndim == 3 else 1

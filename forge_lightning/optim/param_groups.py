@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from forge_lightning.optim.muon import Muon, SplitRows
 from forge_lightning.optim.muon_groups import choose_params, muon_groups, muon_summary
 from forge_lightning.optim.muon_options import MuonOptions
 
@@ -223,8 +224,6 @@ def optimizer_for_groups(
 
 def _muon(groups: list[dict[str, Any]], config: OptimizerConfig) -> torch.optim.Optimizer:
     """The Muon optimizer over ``groups``, with the fused matrices' splits set and its summary logged."""
-    from forge_lightning.optim.muon import Muon, SplitRows
-
     missing = [g.get("name", i) for i, g in enumerate(groups) if "use_muon" not in g]
     if missing:
         raise ValueError(

@@ -1,34 +1,42 @@
 """Which parameters Muon takes on our tiny models (LLM dense / MoE / MLA, a LLaVA-style VLM, the Wan DiT, Pi0.5),
-``optimizer.muon`` patterns and their errors, per-component learning rates, the start-up summary and the YAML
-section through the ``forge`` parser."""
+``optimizer.muon`` patterns and their errors, per-component learning rates, the start-up summary, the YAML
+section through the ``forge`` parser, and a few CPU training steps of the MoE debug LLM with ``optimizer: muon``."""
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 from pathlib import Path
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from tiny import TINY_LLM
+from torch.utils.data import DataLoader
 
 from forge_lightning.contracts import Component
 from forge_lightning.modules.diffusion.wan_config import preset as wan_preset
 from forge_lightning.modules.diffusion.wan_model import WanDiT
 from forge_lightning.modules.embodied.config import Pi05Config
 from forge_lightning.modules.embodied.model import Pi05
+from forge_lightning.modules.llm import CausalLM
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.model import DecoderLM
 from forge_lightning.modules.vlm.config import VLMConfig
 from forge_lightning.modules.vlm.model import VisionLanguageModel
+from forge_lightning.modules.vlm.qwen2_5_vit import Qwen25VisionConfig, Qwen25VisionTransformer
 from forge_lightning.modules.vlm.siglip import SiglipVisionConfig
 from forge_lightning.optim import (
+    Muon,
     MuonOptions,
     OptimizerConfig,
+    SplitRows,
     choose_params,
     component_param_groups,
     muon_groups,
     muon_summary,
+    optimizer_for_groups,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -89,6 +97,15 @@ def test_mla_latent_and_rotary_key_rows_are_split():
     fused = choices["model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
     assert fused.use_muon and fused.parts == (config.mla.kv_lora_rank, config.mla.qk_rope_head_dim)
     assert choices["model.layers.1.mlp.shared_experts.gate_proj.weight"].parts is None
+
+
+def test_qwen_vit_fused_qkv_is_split_in_thirds_and_its_patch_convolution_stays_on_adamw():
+    config = Qwen25VisionConfig.from_preset("debug")
+    choices = _choices(Qwen25VisionTransformer(config))
+    width = config.hidden_size
+    assert choices["blocks.0.attn.qkv.weight"].parts == (width, width, width)
+    assert choices["blocks.0.attn.proj.weight"].parts is None
+    assert choices["patch_embed.proj.weight"].kind == "N-D"
 
 
 def _vlm() -> VisionLanguageModel:
@@ -275,6 +292,14 @@ def test_summary_counts_matrices_by_shape_and_adamw_tensors_by_kind():
         "1-D (norms, biases) 9 (model.layers.0.self_attn.q_norm.weight, "
     )
     assert lines[2].endswith("... (+6))")
+    unnamed = [
+        {"params": [torch.zeros(4, 8)], "use_muon": True},
+        {"params": [torch.zeros(4)], "use_muon": False},
+    ]
+    assert (
+        muon_summary(unnamed).splitlines()[1]
+        == "AdamW: 1 tensors, 0.00M params: 1-D (norms, biases) 1 (group[0])"
+    )
 
 
 def test_yaml_section_reaches_the_module_through_the_forge_parser(tmp_path):
@@ -300,3 +325,77 @@ def test_yaml_section_reaches_the_module_through_the_forge_parser(tmp_path):
     )
     assert config.muon.ns_steps == 5 and "*embed_tokens*" in config.muon.adamw_params
     assert cli.model.hparams["optimizer"]["muon"]["lr"] == 0.02
+
+
+def _token_batches(steps: int, vocab: int) -> DataLoader:
+    tokens = torch.randint(0, vocab, (steps, 4, 17))
+    return DataLoader([{"input_ids": t[:, :-1], "labels": t[:, 1:]} for t in tokens], batch_size=None)
+
+
+def test_llm_module_trains_with_muon_and_updates_both_kinds_of_parameters(monkeypatch, caplog):
+    splits = {}
+    set_split = Muon.set_matrix_split
+    monkeypatch.setattr(
+        Muon,
+        "set_matrix_split",
+        lambda self, p, split: (splits.update({id(p): split}), set_split(self, p, split)),
+    )
+    torch.manual_seed(0)
+    module = CausalLM(
+        config="debug-moe",
+        optimizer={"name": "muon", "lr": 1e-3, "muon": {"lr": 0.02}},
+        scheduler={"name": "constant"},
+        performance={"compile": False},
+    )
+    before = {n: p.detach().clone() for n, p in module.model.named_parameters()}
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=3,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        limit_val_batches=0,
+    )
+    with caplog.at_level(logging.INFO):
+        trainer.fit(module, train_dataloaders=_token_batches(3, module.config.vocab_size))
+    optimizer = trainer.optimizers[0]
+    assert isinstance(optimizer, Muon) and trainer.global_step == 3
+    assert "Muon: 14 tensors (42 matrices)" in caplog.text
+    assert all("row_splits" not in g for g in optimizer.param_groups)
+    for group in optimizer.param_groups:
+        key = "momentum_buffer" if group["use_muon"] else "exp_avg"
+        for name, param in zip(group["param_names"], group["params"], strict=True):
+            assert not torch.equal(param.detach(), before[name]), f"{name} did not change"
+            assert key in optimizer.state[param], name
+    gate_up = module.model.model.layers[0].mlp.experts.gate_up_proj
+    assert isinstance(splits.pop(id(gate_up)), SplitRows)
+    assert len(splits) == 1  # the other layer's gate_up_proj
+
+
+def test_optimizer_for_component_groups_keeps_their_rates_and_checks_its_input():
+    model = Pi05(Pi05Config.from_preset("debug"))
+    components = [Component(name=n, module=getattr(model, n)) for n in ("vision", "llm", "action_expert")]
+    config = OptimizerConfig(name="muon", lr=1e-3, muon={"lr": 0.02, "ns_dtype": "float32"})
+    groups = component_param_groups(components, config, {"vision": 1e-4})
+    optimizer = optimizer_for_groups(groups, config, implementation="fused")  # fused: AdamW's kernels only
+    assert isinstance(optimizer, Muon)
+    assert [(g["name"], g["lr"]) for g in optimizer.param_groups] == [(g["name"], g["lr"]) for g in groups]
+    assert next(g for g in optimizer.param_groups if g["name"] == "vision/muon")["lr"] == pytest.approx(0.002)
+    with pytest.raises(ValueError, match=r"optimizer implementation \('fast'\) must be one of"):
+        optimizer_for_groups(groups, config, implementation="fast")
+    plain = [{"params": list(model.llm.parameters())}]
+    with pytest.raises(ValueError, match=r"parameter groups \[0\] have no 'use_muon'"):
+        optimizer_for_groups(plain, config)
+
+
+def test_lora_adapters_go_to_muon_and_frozen_fused_weights_are_left_out():
+    from forge_lightning.modules.lora import LoRAConfig, apply_lora
+
+    model = DecoderLM(LLMConfig.from_preset("debug-deepseek"))
+    apply_lora(model, LoRAConfig(rank=4, target_modules=["kv_a_proj_with_mqa"]))
+    choices = _choices(model)
+    assert choices and all("lora_" in n for n in choices)
+    assert all(c.use_muon and c.parts is None for c in choices.values())

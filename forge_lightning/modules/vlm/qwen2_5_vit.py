@@ -337,6 +337,11 @@ class VisionAttention(nn.Module):
         init_linear(self.qkv, self.init_std)
         init_linear(self.proj, self.init_std)
 
+    def matrix_parts(self) -> dict[str, tuple[int, ...]]:
+        """``qkv`` fuses the query, key and value rows."""
+        width = self.qkv.in_features
+        return {"qkv.weight": (width, width, width)}
+
     def forward(self, x_ND: Tensor, rope: tuple[Tensor, Tensor], segments: DocumentMask) -> Tensor:
         """Attend the ``[N, hidden]`` patches within their segments; ``rope`` is ``(cos, sin)`` ``[1, N, D/2]``."""
         N = x_ND.shape[0]
