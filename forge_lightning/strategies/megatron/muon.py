@@ -372,7 +372,8 @@ def build_muon_optimizer(chunks: Sequence[nn.Module], config: Any, megatron_conf
     )
     apart = [c for c in choices if not getattr(c.param, "allreduce", True)]
     # Every rank builds the same parts (a pipeline stage without experts too): their gradient norms are collective.
-    any_apart = torch.tensor([float(bool(apart))], device=choices[0].param.device if choices else "cpu")
+    device = next((p.device for chunk in inner for p in chunk.parameters()), torch.device("cpu"))
+    any_apart = torch.tensor([float(bool(apart))], device=device)
     dist.all_reduce(any_apart, op=dist.ReduceOp.MAX)
     tp_group = parallel_state.get_tensor_model_parallel_group()
     specs = [([c for c in choices if getattr(c.param, "allreduce", True)], False, tp_group)]
@@ -400,16 +401,14 @@ def _part(
 ) -> Any:
     """One megatron optimizer of the chain: Muon over ``members`` (``ParamChoice`` s), wrapped, its matrices'
     full shapes and splits set and its exchange over ``group``."""
-    from lightning.pytorch.utilities.rank_zero import rank_zero_info
     from megatron.core import parallel_state
     from megatron.core.optimizer.optimizer import Float16OptimizerWithFloat16Params, FP32Optimizer
 
-    from forge_lightning.optim.muon_groups import muon_summary
+    from forge_lightning.optim import optimizer_for_groups
+    from forge_lightning.optim.muon import SplitRows
     from forge_lightning.strategies.megatron.wrapping import chunk_config
 
-    groups = _groups(members, config, tables, expert=apart)
-    rank_zero_info(("Experts apart: " if apart else "") + muon_summary(groups))
-    muon = _muon(groups, config)
+    muon = optimizer_for_groups(_groups(members, config, tables, expert=apart), config)
     if megatron_config.bf16:
         wrapped = Float16OptimizerWithFloat16Params(muon, megatron_config, None, _init_state)
     else:
@@ -425,7 +424,10 @@ def _part(
             continue
         main = getattr(c.param, "main_param", c.param)  # the fp32 copy the bf16 wrapper steps
         muon.set_matrix_shape(main, _full_shape(c.param, size))
-        split = matrix_split(c.name, tf_config, size) if config.muon.split_fused else None
+        if c.parts is not None:  # declared by a plain module (a composed model's encoder side)
+            split = SplitRows(c.parts)
+        else:
+            split = matrix_split(c.name, tf_config, size) if config.muon.split_fused else None
         if split is not None:
             muon.set_matrix_split(main, split)
     muon.set_exchange_builder(_tensor_parallel_builder(group))
@@ -437,23 +439,3 @@ def _tensor_parallel_builder(group: dist.ProcessGroup) -> Callable[[Sequence[Ten
         return TensorParallelExchange(params, costs, group)
 
     return build
-
-
-def _muon(groups: list[dict[str, Any]], config: Any) -> Any:
-    from forge_lightning.optim.muon import Muon
-
-    options = config.muon
-    return Muon(
-        groups,
-        lr=config.muon_lr,
-        weight_decay=config.muon_weight_decay,
-        momentum=options.momentum,
-        nesterov=options.nesterov,
-        ns_coefficients=tuple(options.ns_coefficients),
-        eps=options.eps,
-        ns_steps=options.ns_steps,
-        adjust_lr_fn=options.adjust_lr_fn,
-        ns_dtype=getattr(torch, options.ns_dtype),
-        betas=tuple(config.betas),
-        adam_eps=config.eps,
-    )
