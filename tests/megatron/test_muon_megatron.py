@@ -182,26 +182,42 @@ def test_groups_follow_the_native_rule_and_the_distributed_optimizer_is_refused(
         megatron_optimizer(chunks, use_distributed_optimizer=True)
 
 
-def test_bf16_steps_fp32_main_weights(megatron_world):
+def _bf16_twin(config, seed: int = 0) -> tuple[list[torch.nn.Module], object]:
     from moe_reference import decoder_twin
 
     from forge_lightning.contracts import MegatronDims
     from forge_lightning.strategies.megatron.wrapping import wrap_ddp
 
+    chunks = decoder_twin(native_model(config, seed), bf16=True).build_chunks()
+    chunks = wrap_ddp(chunks, MegatronDims(), overlap_grad_reduce=False)
+    return chunks, megatron_optimizer(chunks, bf16=True)
+
+
+def test_bf16_steps_fp32_main_weights_and_resumes_exactly(megatron_world, tmp_path):
+    """megatron's bf16 wrapper steps our Muon on its fp32 main copies; its dist-checkpoint (main copies, momentum
+    buffers, AdamW moments) resumes to the same weights."""
+    from forge_lightning.strategies.megatron import checkpoint as ckpt
+
     config = dense_config()
-    chunks = wrap_ddp(
-        decoder_twin(native_model(config), bf16=True).build_chunks(),
-        MegatronDims(),
-        overlap_grad_reduce=False,
-    )
-    optimizer = megatron_optimizer(chunks, bf16=True)
+    steps = step_batches(config, 2)
+    chunks, optimizer = _bf16_twin(config)
     (part,) = optimizer.chained_optimizers
     mains = [p for g in part.optimizer.param_groups if g["use_muon"] for p in g["params"]]
     assert mains and all(p.dtype == torch.float32 for p in mains)
     before = [p.detach().clone() for p in mains]
-    megatron_step(chunks, optimizer, config, step_batches(config, 1)[0])
+    megatron_step(chunks, optimizer, config, steps[0])
     assert all(not torch.equal(a, b) for a, b in zip(before, mains, strict=True))
-    assert all(torch.isfinite(p).all() for p in mains)
+    state = {ckpt.SHARDED_KEY: ckpt.sharded_state_dict(chunks, optimizer, is_loading=False)}
+    ckpt.MegatronCheckpointIO().save_checkpoint({**state, ckpt.HF_CONFIG_KEY: config.to_hf()}, tmp_path / "c")
+    megatron_step(chunks, optimizer, config, steps[1])
+    chunks_2, optimizer_2 = _bf16_twin(config, seed=1)
+    template = ckpt.sharded_state_dict(chunks_2, optimizer_2, is_loading=True)
+    loaded = ckpt.MegatronCheckpointIO().load_checkpoint(tmp_path / "c", sharded_state_dict=template)
+    ckpt.load_into(chunks_2, optimizer_2, loaded.pop(ckpt.SHARDED_KEY))
+    megatron_step(chunks_2, optimizer_2, config, steps[1])
+    (part_2,) = optimizer_2.chained_optimizers
+    for group, group_2 in zip(part.optimizer.param_groups, part_2.optimizer.param_groups, strict=True):
+        assert all(torch.equal(a, b) for a, b in zip(group["params"], group_2["params"], strict=True))
 
 
 def _fit(
