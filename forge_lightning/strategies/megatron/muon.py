@@ -268,21 +268,10 @@ def matrix_split(name: str, config: Any, blocks: int) -> Any | None:
     return None
 
 
-def _no_decay_tables(chunks: Sequence[nn.Module]) -> set[int]:
-    """Ids of the embedding tables (megatron's ``VocabParallelEmbedding`` and plain ``nn.Embedding``)."""
-    from megatron.core.tensor_parallel import VocabParallelEmbedding
-
-    return {
-        id(m.weight)
-        for chunk in chunks
-        for m in chunk.modules()
-        if isinstance(m, nn.Embedding | VocabParallelEmbedding)
-    }
-
-
 def _groups(choices: Sequence[Any], config: Any, tables: set[int], *, expert: bool) -> list[dict[str, Any]]:
     """The Muon group and AdamW's decay / no-decay groups of ``choices`` (all three, empty or not, so that every
-    rank has the same groups), with the keys megatron's checkpoint loading matches groups by."""
+    rank has the same groups), with the keys megatron's checkpoint loading matches groups by. AdamW's decay rule is
+    megatron's plain path's: not the embedding ``tables``, megatron's tied-embedding copy, norms or biases."""
     decay_all = config.decay_norms_biases_embeddings
 
     def decayed(c: Any) -> bool:
@@ -364,6 +353,7 @@ def build_muon_optimizer(chunks: Sequence[nn.Module], config: Any, megatron_conf
     from megatron.core.optimizer import ChainedOptimizer
 
     from forge_lightning.optim.muon_groups import choose_params
+    from forge_lightning.strategies.megatron.optimizer import embedding_tables
 
     inner = [getattr(chunk, "module", chunk) for chunk in chunks]
     prefixes = [""] if len(inner) == 1 else [f"chunk{i}." for i in range(len(inner))]
@@ -379,7 +369,7 @@ def build_muon_optimizer(chunks: Sequence[nn.Module], config: Any, megatron_conf
     specs = [([c for c in choices if getattr(c.param, "allreduce", True)], False, tp_group)]
     if any_apart.item():
         specs.append((apart, True, parallel_state.get_expert_tensor_parallel_group()))
-    tables = _no_decay_tables(inner)
+    tables = embedding_tables(inner)
     parts = [
         _part(members, config, megatron_config, tables, apart=is_apart, group=group, chunk=chunks[0])
         for members, is_apart, group in specs

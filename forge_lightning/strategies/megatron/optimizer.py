@@ -19,16 +19,10 @@ def _no_decay(decay_all: bool, chunks: list[nn.Module]) -> Any:
     last pipeline stage (its ``shared_embedding`` tag).
     """
     from megatron.core.optimizer import ParamGroupOverride, ParamKey, ParamWithNamePredicate
-    from megatron.core.tensor_parallel import VocabParallelEmbedding
 
     if decay_all:
         return {}
-    tables = {
-        id(m.weight)
-        for chunk in chunks
-        for m in chunk.modules()
-        if isinstance(m, nn.Embedding | VocabParallelEmbedding)
-    }
+    tables = embedding_tables(chunks)
     rule = ParamWithNamePredicate(
         name="norms_biases_embeddings",
         fn=lambda param, name: (
@@ -36,6 +30,18 @@ def _no_decay(decay_all: bool, chunks: list[nn.Module]) -> Any:
         ),
     )
     return {ParamKey(with_name_predicate=rule): ParamGroupOverride(wd_mult=0.0)}
+
+
+def embedding_tables(chunks: list[nn.Module]) -> set[int]:
+    """Ids of the embedding tables in any chunk: megatron's ``VocabParallelEmbedding`` and plain ``nn.Embedding``."""
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    return {
+        id(m.weight)
+        for chunk in chunks
+        for m in chunk.modules()
+        if isinstance(m, nn.Embedding | VocabParallelEmbedding)
+    }
 
 
 def build_megatron_optimizer(
