@@ -5,8 +5,8 @@
 
 * ``exchange``: the dense debug twin at TP = 2: the full matrices :class:`TensorParallelExchange` gathers for each
   owner (by megatron name), and whether ``publish`` of ``2 * full + rank`` gives each rank ``2 * shard + owner``;
-* ``dense_tp2`` / ``dense_tp1``: the dense twin's Hugging Face weights after ``STEPS`` Muon steps at TP = 2 and at
-  TP = 1 (DP = 2, each rank half of every global batch), fp32;
+* ``dense_tp2`` / ``dense_tp1`` / ``dense_pp2``: the dense twin's Hugging Face weights after ``STEPS`` Muon steps
+  at TP = 2, at TP = 1 (DP = 2, each rank half of every global batch) and at PP = 2, fp32;
 * ``moe_ep2`` / ``moe_tp2_sp`` / ``moe_tp2_sp_etp1`` / ``moe_ep1``: the same for the Qwen3-MoE debug twin at
   EP = 2, at TP = 2 with sequence parallelism (experts split over TP: the expert TP group exchanges them, or whole
   on both ranks at ETP = 1) and at EP = 1 (DP = 2); ``deepseek_ep2``: the DeepSeek-V3 debug twin (MLA) at EP = 2;
@@ -74,6 +74,7 @@ def _layout(**degrees: int) -> None:
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=degrees.get("tensor_model_parallel_size", 1),
+        pipeline_model_parallel_size=degrees.get("pipeline_model_parallel_size", 1),
         expert_model_parallel_size=degrees.get("expert_model_parallel_size", 1),
         expert_tensor_parallel_size=degrees.get("expert_tensor_parallel_size"),
     )
@@ -141,6 +142,7 @@ CASES = {
     "exchange": lambda out: exchange_case(),
     "dense_tp2": lambda out: _trained(dense_config(), tensor_model_parallel_size=2),
     "dense_tp1": lambda out: _trained(dense_config()),
+    "dense_pp2": lambda out: _trained(dense_config(), pipeline_model_parallel_size=2),
     "moe_ep2": lambda out: _trained(moe_config("qwen3_moe"), expert_model_parallel_size=2),
     "moe_tp2_sp": lambda out: _trained(
         moe_config("qwen3_moe"), tensor_model_parallel_size=2, sequence_parallel=True

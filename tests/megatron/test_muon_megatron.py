@@ -31,6 +31,7 @@ CASES = (
     "exchange",
     "dense_tp2",
     "dense_tp1",
+    "dense_pp2",
     "moe_ep2",
     "moe_tp2_sp",
     "moe_tp2_sp_etp1",
@@ -131,13 +132,13 @@ def _assert_close(a: dict, b: dict, what: str) -> None:
     assert diff <= HEAD_TOL, (what, "lm_head.weight", diff)
 
 
-def test_tp2_equals_tp1_and_torch_muon_on_the_unfused_matrices(runs, monkeypatch):
+def test_tp2_tp1_and_pp2_equal_torch_muon_on_the_unfused_matrices(runs, monkeypatch):
     config = dense_config()
     reference = reference_weights(config, step_batches(config), monkeypatch)
     initial = native_model(config).state_dict()
     moved = min((reference[k] - initial[k]).abs().max().item() for k in reference)
     assert moved > 1e-3  # every tensor trained
-    for layout in ("dense_tp2", "dense_tp1"):
+    for layout in ("dense_tp2", "dense_tp1", "dense_pp2"):
         _assert_close(runs[layout], reference, layout)
 
 
