@@ -502,8 +502,8 @@ def check_optimizer_kind(path: Path, meta: Mapping[str, Any], kind: Mapping[str,
         return
     raise ValueError(
         f"{path} was written with optimizer {dict(saved)}, this run has {dict(kind)}: megatron-core stores the "
-        "distributed and the plain optimizer (and fp32 / bf16 main weights) differently; resume with the "
-        "checkpoint's use_distributed_optimizer and trainer.precision"
+        "distributed and the plain optimizer (and fp32 / bf16 main weights, Muon's and Adam's state) differently; "
+        "resume with the checkpoint's use_distributed_optimizer, trainer.precision and optimizer.name"
     )
 
 

@@ -19,16 +19,10 @@ def _no_decay(decay_all: bool, chunks: list[nn.Module]) -> Any:
     last pipeline stage (its ``shared_embedding`` tag).
     """
     from megatron.core.optimizer import ParamGroupOverride, ParamKey, ParamWithNamePredicate
-    from megatron.core.tensor_parallel import VocabParallelEmbedding
 
     if decay_all:
         return {}
-    tables = {
-        id(m.weight)
-        for chunk in chunks
-        for m in chunk.modules()
-        if isinstance(m, nn.Embedding | VocabParallelEmbedding)
-    }
+    tables = embedding_tables(chunks)
     rule = ParamWithNamePredicate(
         name="norms_biases_embeddings",
         fn=lambda param, name: (
@@ -36,6 +30,18 @@ def _no_decay(decay_all: bool, chunks: list[nn.Module]) -> Any:
         ),
     )
     return {ParamKey(with_name_predicate=rule): ParamGroupOverride(wd_mult=0.0)}
+
+
+def embedding_tables(chunks: list[nn.Module]) -> set[int]:
+    """Ids of the embedding tables in any chunk: megatron's ``VocabParallelEmbedding`` and plain ``nn.Embedding``."""
+    from megatron.core.tensor_parallel import VocabParallelEmbedding
+
+    return {
+        id(m.weight)
+        for chunk in chunks
+        for m in chunk.modules()
+        if isinstance(m, nn.Embedding | VocabParallelEmbedding)
+    }
 
 
 def build_megatron_optimizer(
@@ -52,7 +58,8 @@ def build_megatron_optimizer(
 
     Args:
         chunks: the model chunks, wrapped in megatron's ``DistributedDataParallel``.
-        config: the module's optimizer settings (``adamw``, ``adam`` or ``sgd``).
+        config: the module's optimizer settings (``adamw``, ``adam``, ``sgd`` or ``muon``: our Muon inside
+            megatron's plain optimizer wrappers, see :func:`~forge_lightning.strategies.megatron.muon.build_muon_optimizer`).
         use_distributed_optimizer: shard the optimizer state (and fp32 main weights) over data-parallel ranks.
         overlap_param_gather: overlap the DistributedOptimizer's parameter all-gather with the next forward.
         clip_grad: global gradient-norm clip (0: off), computed across every parallel group.
@@ -69,6 +76,13 @@ def build_megatron_optimizer(
             "megatron-core's distributed optimizer steps Adam / AdamW only (its sharded state is Adam's): set "
             "optimizer.name to adamw or adam, or MegatronStrategy(use_distributed_optimizer=false) for SGD"
         )
+    if use_distributed_optimizer and config.name == "muon":
+        raise ValueError(
+            "optimizer.name muon does not run under megatron-core's distributed optimizer, which shards Adam's "
+            "state element-wise over data-parallel ranks; Muon needs whole matrices and spreads its work "
+            "tensor-wise itself (each matrix orthogonalised by one TP rank): set "
+            "MegatronStrategy(use_distributed_optimizer=false)"
+        )
     megatron_config = MegatronOptimizerConfig(
         optimizer="sgd" if config.name == "sgd" else "adam",
         lr=config.lr,
@@ -76,7 +90,7 @@ def build_megatron_optimizer(
         adam_beta1=config.betas[0],
         adam_beta2=config.betas[1],
         adam_eps=config.eps,
-        decoupled_weight_decay=config.name == "adamw",
+        decoupled_weight_decay=config.name in ("adamw", "muon"),
         sgd_momentum=config.momentum,
         use_distributed_optimizer=use_distributed_optimizer,
         overlap_param_gather=overlap_param_gather,
@@ -84,6 +98,10 @@ def build_megatron_optimizer(
         bf16=bf16,
         params_dtype=torch.bfloat16 if bf16 else torch.float32,
     )
+    if config.name == "muon":
+        from forge_lightning.strategies.megatron.muon import build_muon_optimizer
+
+        return build_muon_optimizer(chunks, config, megatron_config)
     optimizer = get_megatron_optimizer(
         megatron_config, chunks, config_overrides=_no_decay(config.decay_norms_biases_embeddings, chunks)
     )

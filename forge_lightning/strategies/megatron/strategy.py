@@ -695,7 +695,12 @@ class MegatronStrategy(ParallelStrategy):
         pass  # loaded by load_checkpoint
 
     def _optimizer_kind(self) -> dict[str, bool]:
-        return {"distributed": self.dims.use_distributed_optimizer, "bf16": self._bf16}
+        kind = {"distributed": self.dims.use_distributed_optimizer, "bf16": self._bf16}
+        if self.lightning_module.optimizer_config.name == "muon":
+            kind["muon"] = (
+                True  # momentum buffers, not Adam's moments; other runs' checkpoints keep their kind
+            )
+        return kind
 
     def trained_parameters(self) -> list[tuple[str, torch.Tensor]]:
         """This rank's trained parameters (:class:`~forge_lightning.contracts.TrainedParameters`): its shards of the
