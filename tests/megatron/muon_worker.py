@@ -36,6 +36,7 @@ from muon_reference import (  # noqa: E402
     step_batches,
     twin_chunks,
 )
+from worker_exit import exit_worker  # noqa: E402
 
 from forge_lightning.optim.muon_exchange import newton_schulz_flops  # noqa: E402
 from forge_lightning.strategies.megatron.muon import TensorParallelExchange  # noqa: E402
@@ -165,7 +166,7 @@ def main(out: Path, cases: list[str]) -> None:
         result = CASES[case](out)
         if dist.get_rank() == 0:
             torch.save(result, out / f"{case}.pt")
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

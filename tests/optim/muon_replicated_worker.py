@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+from worker_exit import exit_worker
 
 from forge_lightning.optim.muon import Muon, SplitRows
 from forge_lightning.optim.muon_exchange import LocalExchange, ReplicatedExchange, assign_owners
@@ -181,7 +182,7 @@ def main() -> None:
     results["dtensor"] = _dtensor_case()
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":

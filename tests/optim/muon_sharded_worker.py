@@ -22,6 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from worker_exit import exit_worker
 
 from forge_lightning.optim.muon import Muon, SplitRows
 from forge_lightning.optim.muon_exchange import LocalExchange, newton_schulz_flops
@@ -237,7 +238,7 @@ def main() -> None:
         results["fsdp2_cp_tp"] = _check(_fsdp2_tp(strategy["tp"], strategy["dp_shard_cp"]))
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(results, f)
-    dist.destroy_process_group()
+    exit_worker()
 
 
 if __name__ == "__main__":
