@@ -296,6 +296,13 @@ class Muon(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a state dict (a full one on any rank, at any world size): state this rank does not own is dropped
         when the exchanges are built."""
+        saved = state_dict.get("param_groups", [])
+        if any("use_muon" not in g for g in saved):
+            raise ValueError(
+                "the optimizer state to load is not Muon's (its parameter groups have no 'use_muon'): it was saved "
+                "by another optimizer (e.g. AdamW); resume with that optimizer.name, or start Muon from the "
+                "weights only (load them as pretrained weights instead of --ckpt_path)"
+            )
         super().load_state_dict(state_dict)
         if self._built:
             self._refresh()

@@ -371,3 +371,13 @@ def test_adamw_groups_equal_torch_foreach_adamw_over_mixed_dtypes():
         torch_opt.step()
     for got, want in zip(ours, ref, strict=True):
         assert got.dtype == want.dtype and torch.equal(got, want)
+
+
+def test_loading_another_optimizers_state_is_refused():
+    param = torch.nn.Parameter(torch.randn(4, 3))
+    adamw = torch.optim.AdamW([param])
+    param.grad = torch.ones_like(param)
+    adamw.step()
+    muon = Muon([{"params": [param], "use_muon": True}])
+    with pytest.raises(ValueError, match="not Muon's"):
+        muon.load_state_dict(adamw.state_dict())
