@@ -27,6 +27,8 @@ Muon (``optimizer: {name: muon}``: Muon on the hidden matrices, AdamW on the res
 at its own learning rate (``--lr`` for AdamW and Muon's AdamW part, ``--muon-lr`` for Muon):
 
     python benchmarks/llm_throughput.py --shape llama3.2-1b --seq 4096 --batch 8 --paths forge forge-muon
+    python benchmarks/llm_throughput.py --shape llama3.2-1b --seq 4096 --batch 8 --accumulate 8 \
+        --paths forge forge-muon   # one optimizer step per 8 micro-batches (the "batch" column: 8 x 8)
     python benchmarks/llm_throughput.py --shape llama3.2-1b --seq 4096 --batch 8 --paths forge forge-muon \
         --loss-steps 200 --lr 3e-4 --muon-lr 0.02
 
@@ -176,16 +178,19 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
     config, model, loss_fn = build(path, args.shape, device, dtype)
     optimizer = _optimizer(args, path, model, cuda)
     count = args.loss_steps or args.warmup + args.steps
+    micro = count * args.accumulate
     if args.loss_steps:
-        batches = _text_batches(args.data_dir, count, args.batch, args.seq, device)
+        batches = _text_batches(args.data_dir, micro, args.batch, args.seq, device)
         if max(int(b.max()) for b in batches) >= config.vocab_size:
             raise ValueError(
                 f"the corpus tokenizer's ids exceed {args.shape}'s vocab_size ({config.vocab_size})"
             )
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 20))
     else:
-        batches = _random_batches(config.vocab_size, count, args.batch, args.seq, device)
+        batches = _random_batches(config.vocab_size, micro, args.batch, args.seq, device)
         scheduler = None
+    # one optimizer step per `accumulate` micro-batches
+    steps_inputs = [batches[i : i + args.accumulate] for i in range(0, micro, args.accumulate)]
     losses, opt_marks = [], []  # opt_marks: (start, end) of each optimizer step: CUDA events or perf_counter
 
     def mark():
@@ -195,10 +200,12 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
             return event
         return time.perf_counter()
 
-    def step(tokens) -> None:
-        with torch.autocast(device, dtype=torch.bfloat16, enabled=args.precision == "autocast"):
-            loss = loss_fn(tokens[:, :-1], tokens[:, 1:])
-        loss.backward()
+    def step(micro_batches) -> None:
+        for tokens in micro_batches:
+            with torch.autocast(device, dtype=torch.bfloat16, enabled=args.precision == "autocast"):
+                loss = loss_fn(tokens[:, :-1], tokens[:, 1:]) / len(micro_batches)
+            loss.backward()
+            losses.append(loss.detach() * len(micro_batches))
         if args.loss_steps:
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         start = mark()
@@ -207,10 +214,9 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
         optimizer.zero_grad(set_to_none=True)
         if scheduler is not None:
             scheduler.step()
-        losses.append(loss.detach())
 
-    timer = harness.run_steps(step, batches, min(args.warmup, count - 1), cuda)
-    tokens_per_s = timer.rate(args.batch * args.seq)
+    timer = harness.run_steps(step, steps_inputs, min(args.warmup, count - 1), cuda)
+    tokens_per_s = timer.rate(args.batch * args.seq * args.accumulate)
     tflops = harness.tflops(tokens_per_s * llm_flops_per_token(config, args.seq))
     loss_values = [float(x) for x in losses]
     timed = opt_marks[-args.steps :] if not args.loss_steps else opt_marks
@@ -220,6 +226,7 @@ def run_path(args: argparse.Namespace, path: str) -> dict:
         "shape": args.shape,
         "seq": args.seq,
         "batch": args.batch,
+        "accumulate": args.accumulate,
         "precision": args.precision,
         "tokens_per_s": tokens_per_s,
         "tflops": tflops,
@@ -249,7 +256,8 @@ def _table(results: list[dict], reference: str, loss: bool) -> str:
         if "error" in r:
             rows.append([r["path"], harness.failed(r["error"])])
             continue
-        row = [r["path"], r["optimizer"], r["batch"], f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['tflops']:.0f}"]
+        batch = r["batch"] if r.get("accumulate", 1) == 1 else f"{r['batch']} x {r['accumulate']}"
+        row = [r["path"], r["optimizer"], batch, f"{r['tokens_per_s'] / 1e3:.1f}k", f"{r['tflops']:.0f}"]
         row += [f"{100 * r['mfu']:.1f}%", f"{r['peak_mem_gb']:.1f} GB", f"{r['step_s'] * 1e3:.0f} ms"]
         row.append(f"{r['opt_step_ms']:.1f} ms")
         row.append(harness.ratio(r["tokens_per_s"], ref.get("tokens_per_s")))
@@ -269,6 +277,12 @@ def _parser() -> argparse.ArgumentParser:
         "--batches", default=None, help="per-path batch overrides, e.g. hf-eager=4,hf-compile=4"
     )
     parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (timed steps are optimizer steps)",
+    )
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--precision", choices=("bf16", "autocast"), default="bf16")
     parser.add_argument("--paths", nargs="+", default=["forge", "forge-eager", *HF_PATHS], choices=PATHS)
