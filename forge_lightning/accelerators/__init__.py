@@ -1,4 +1,10 @@
-"""Accelerators and the capability table their devices are described by."""
+"""Accelerators and the capability table their devices are described by.
+
+``KunlunAccelerator`` is registered in Lightning's ``AcceleratorRegistry`` as ``kunlun`` when this package is
+imported (the CLI imports it); see docs/kunlun.md.
+"""
+
+from lightning.pytorch.accelerators import AcceleratorRegistry
 
 from forge_lightning.accelerators.capabilities import (
     CPU,
@@ -9,13 +15,23 @@ from forge_lightning.accelerators.capabilities import (
     register_platform,
     unregister_platform,
 )
+from forge_lightning.accelerators.kunlun import KunlunAccelerator
+from forge_lightning.accelerators.runtime import KunlunRuntime, MemoryStats, SimulatedRuntime, XmlirRuntime
 
 __all__ = [
     "CPU",
     "KUNLUN",
     "NVIDIA",
     "DeviceCapabilities",
+    "KunlunAccelerator",
+    "KunlunRuntime",
+    "MemoryStats",
+    "SimulatedRuntime",
+    "XmlirRuntime",
     "capabilities",
     "register_platform",
     "unregister_platform",
 ]
+
+if KunlunAccelerator.name() not in AcceleratorRegistry:
+    KunlunAccelerator.register_accelerators(AcceleratorRegistry)

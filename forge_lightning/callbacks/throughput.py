@@ -20,7 +20,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
-from forge_lightning.contracts import MeasuredModule
+from forge_lightning.contracts import MeasuredDevices, MeasuredModule
 
 H200_BF16_PEAK_TFLOPS = 989.0
 _KEYS = ("samples", "tokens", "flops")
@@ -64,7 +64,7 @@ class ThroughputMonitor(Callback):
     ) -> None:
         now = time.perf_counter()
         if self._window_start is None:
-            _synchronize(trainer.strategy.root_device)
+            _synchronize(trainer)
             self._window_start = time.perf_counter()
             self._start_step = trainer.global_step
         elif self._last_batch_end is not None:
@@ -81,7 +81,7 @@ class ThroughputMonitor(Callback):
         steps = trainer.global_step - (self._start_step or 0)
         if steps < self.window:
             return
-        _synchronize(trainer.strategy.root_device)
+        _synchronize(trainer)
         elapsed = time.perf_counter() - self._window_start
         metrics = self._rates(trainer, pl_module, elapsed, steps)
         if self._warm:
@@ -114,7 +114,9 @@ class ThroughputMonitor(Callback):
             if peak:
                 metrics["throughput/mfu"] = tflops / peak
         metrics["throughput/data_wait_pct"] = 100.0 * self._data_wait / elapsed
-        metrics["memory/peak_gb"] = _peak_memory_gb(trainer.strategy.root_device)
+        peak_gb = _peak_memory_gb(trainer)
+        if peak_gb is not None:
+            metrics["memory/peak_gb"] = peak_gb
         return metrics
 
     @override
@@ -129,12 +131,19 @@ class ThroughputMonitor(Callback):
         )
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
+def _synchronize(trainer: Trainer) -> None:
+    device = trainer.strategy.root_device
+    if isinstance(trainer.accelerator, MeasuredDevices):  # e.g. Kunlun: through the accelerator's runtime
+        trainer.accelerator.synchronize(device)
+    elif device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _peak_memory_gb(device: torch.device) -> float:
+def _peak_memory_gb(trainer: Trainer) -> float | None:
+    device = trainer.strategy.root_device
+    if isinstance(trainer.accelerator, MeasuredDevices):
+        peak = trainer.accelerator.peak_memory_bytes(device)
+        return None if peak is None else peak / 1e9
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 1e9
     # ru_maxrss is KiB on Linux, bytes on macOS: the process's peak resident set.

@@ -15,11 +15,19 @@ through ``isinstance`` checks instead of attribute probing::
   gathered state dicts, the module's weights, the trained parameters, parameter resync).
 * :mod:`~forge_lightning.contracts.data`: batch keys and the text datamodule's description.
 * :mod:`~forge_lightning.contracts.megatron`: the megatron-core model a family provides for ``MegatronStrategy``.
+* :mod:`~forge_lightning.contracts.accelerator`: what an accelerator declares beyond Lightning's API (its
+  process-group backend and DeviceMesh device type, its synchronisation and memory).
 
 Nothing here imports a family or a strategy; ``strategies/`` imports no family (tests/test_layout.py checks both
 ways).
 """
 
+from forge_lightning.contracts.accelerator import (
+    DistributedDevices,
+    MeasuredDevices,
+    device_mesh_type,
+    process_group_backend,
+)
 from forge_lightning.contracts.data import STEP_TOKENS, TextData, VisionTextData
 from forge_lightning.contracts.megatron import (
     CP_COMM_TYPES,
@@ -74,10 +82,12 @@ __all__ = [
     "Composition",
     "ContextParallelModule",
     "DataParallelLayout",
+    "DistributedDevices",
     "ExportableModule",
     "GenerativeModule",
     "GradientGate",
     "LazyParameterGather",
+    "MeasuredDevices",
     "MeasuredModule",
     "MegatronBuild",
     "MegatronDims",
@@ -102,11 +112,13 @@ __all__ = [
     "complete_parameter_gather",
     "data_parallel",
     "deferred_pretrained",
+    "device_mesh_type",
     "experts_apart",
     "full_state_dict",
     "module_weights",
     "nonfinite_gradients",
     "pretrained_deferred",
+    "process_group_backend",
     "skip_optimizer_step",
     "take_samples",
     "tensor_parallel_size",

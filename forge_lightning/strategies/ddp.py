@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from typing_extensions import override
 
-from forge_lightning.contracts import PlannedModule
+from forge_lightning.contracts import PlannedModule, process_group_backend
 from forge_lightning.strategies.comm.hooks import HOOKS, CommHookState, exact_parameters, make_comm_hook
 from forge_lightning.strategies.parallelize import ROOT_PREFIX
 
@@ -79,6 +79,11 @@ class DDPStrategy(LightningDDPStrategy):
         return self.global_rank
 
     @override
+    def _get_process_group_backend(self) -> str:
+        """The configured backend, else the accelerator's (:class:`~forge_lightning.contracts.DistributedDevices`),
+        else Lightning's default for the device."""
+        return self._process_group_backend or process_group_backend(self.accelerator, self.root_device)
+
     @override
     def teardown(self) -> None:
         """Lightning's teardown, without first copying the optimizer state to host memory (15 s for a 1B model with

@@ -43,6 +43,8 @@ from forge_lightning.contracts import (
     StrategyTraits,
     TunedModule,
     common_divisors,
+    device_mesh_type,
+    process_group_backend,
 )
 from forge_lightning.distributed.context_parallel import ContextParallel
 from forge_lightning.performance import (
@@ -348,7 +350,7 @@ class FSDP2Strategy(ModelParallelStrategy):
         from torch.distributed.device_mesh import init_device_mesh
 
         self._device_mesh = init_device_mesh(
-            self.root_device.type,
+            device_mesh_type(self.accelerator, self.root_device),
             (self.data_parallel_replicate_size, shard, cp, tp),
             mesh_dim_names=("dp_replicate", "dp_shard", "cp", "tp"),
         )
@@ -361,6 +363,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        """The configured backend, else the accelerator's (:class:`~forge_lightning.contracts.DistributedDevices`),
+        else Lightning's default for the device."""
+        return self._process_group_backend or process_group_backend(self.accelerator, self.root_device)
 
     def _require_mesh(self, what: str) -> Any:
         if self._device_mesh is None:
@@ -503,9 +511,9 @@ class FSDP2Strategy(ModelParallelStrategy):
         tp = ranks_RSCT.shape[3]
         ranks_TD1 = ranks_RSCT.permute(3, 0, 1, 2).reshape(tp, -1, 1)
         names = ("replicate_tp", "replicate", "replicate_shard")
-        return DeviceMesh(self.root_device.type, ranks_TD1, mesh_dim_names=names)[
-            "replicate", "replicate_shard"
-        ]
+        return DeviceMesh(
+            device_mesh_type(self.accelerator, self.root_device), ranks_TD1, mesh_dim_names=names
+        )["replicate", "replicate_shard"]
 
     def _apply_fully_shard(
         self, module: nn.Module, plan: ParallelPlan, unsharded: list, replicated: list

@@ -24,6 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
+from forge_lightning.contracts import process_group_backend
 from forge_lightning.optim.muon import Muon
 
 
@@ -54,6 +55,12 @@ class ZeRO1Strategy(DDPStrategy):
     def data_parallel_rank(self) -> int:
         """This process's data-parallel index (the global rank)."""
         return self.global_rank
+
+    @override
+    def _get_process_group_backend(self) -> str:
+        """The configured backend, else the accelerator's (:class:`~forge_lightning.contracts.DistributedDevices`),
+        else Lightning's default for the device."""
+        return self._process_group_backend or process_group_backend(self.accelerator, self.root_device)
 
     @override
     def setup_optimizers(self, trainer: pl.Trainer) -> None:

@@ -39,7 +39,6 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 from lightning.fabric.utilities.distributed import (
-    _get_default_process_group_backend_for_device,
     _init_dist_connection,
     _sync_ddp_if_available,
 )
@@ -64,6 +63,7 @@ from forge_lightning.contracts import (
     StrategyTraits,
     TextData,
     TunedModule,
+    process_group_backend,
 )
 from forge_lightning.performance import PerformanceConfig, apply_sdpa_backends, check_applied, resolve
 from forge_lightning.strategies.checkpoint_io import AtomicCheckpointIO
@@ -242,9 +242,7 @@ class MegatronStrategy(ParallelStrategy):
         dp = dims.validate(self.world_size)
         parse_components(self.components, dims.tp)  # names are checked in setup
         parse_placement(self.encoder_placement, dims.pp)
-        backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
+        backend = self._process_group_backend or process_group_backend(self.accelerator, self.root_device)
         _init_dist_connection(self.cluster_environment, backend, timeout=self._timeout)
         try:
             from megatron.core import parallel_state
