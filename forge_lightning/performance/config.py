@@ -297,6 +297,13 @@ def check_supported(perf: PerformanceConfig, caps: DeviceCapabilities) -> None:
                 f"performance.attention.sdpa lists {fused}, not supported on {platform}: no cuDNN / FlashAttention "
                 "SDPA backends there; list only 'efficient' and 'math', or set performance.attention.sdpa: auto"
             )
+    packed = perf.attention.packed
+    if (packed == "flex" and not caps.triton) or (packed == "varlen" and not caps.flash_attention):
+        kernel = "FlexAttention compiles to Triton" if packed == "flex" else "varlen is FlashAttention's"
+        raise ValueError(
+            f"performance.attention.packed ({packed!r}) is not supported on {platform}: {kernel}; set "
+            "performance.attention.packed: auto or sdpa (SDPA with a block-diagonal document mask)"
+        )
     if perf.optimizer == "fused" and not caps.fused_optimizer:
         raise ValueError(
             f"performance.optimizer ('fused') is not supported on {platform}: no fused Adam kernel there; "

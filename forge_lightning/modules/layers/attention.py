@@ -157,6 +157,11 @@ def resolve_attention_backend(backend: str, device: torch.device, *, varying_sha
         if varying_shapes and caps.flash_attention and _varlen_attn is not None:
             return "varlen"
         return "flex" if caps.triton else "sdpa"
+    if backend == "flex" and not caps.triton and device.type != "cpu":
+        raise ValueError(
+            f"attention_backend 'flex' compiles FlexAttention to Triton, which {caps.platform} devices do not "
+            "have; choose 'auto' or 'sdpa'"
+        )
     if backend == "varlen" and not caps.flash_attention:
         raise ValueError(
             f"attention_backend 'varlen' needs CUDA (FlashAttention), got device {device.type!r} "
