@@ -47,9 +47,9 @@ class KernelConfig:
     """Which implementation each fused layer uses: ``triton`` (our Triton kernels), ``torch`` (the plain layers,
     which ``torch.compile`` fuses) or ``auto``.
 
-    ``auto``: the fused linear + cross-entropy runs in Triton on CUDA; RMSNorm, RoPE and SwiGLU run in Triton on
-    CUDA when the blocks are not compiled (compiled blocks fuse them with their neighbours, which is faster than a
-    separate kernel); torch elsewhere.
+    ``auto``: the fused linear + cross-entropy runs in Triton on NVIDIA GPUs; RMSNorm, RoPE and SwiGLU run in Triton
+    there when the blocks are not compiled (compiled blocks fuse them with their neighbours, which is faster than a
+    separate kernel); torch elsewhere (Kunlun XPUs, CPU; ``triton`` is refused on Kunlun).
 
     Args:
         rms_norm: RMSNorm layers.
@@ -74,7 +74,8 @@ class AttentionConfig:
             128; calls with a mask or a KV cache use SDPA) or ``auto`` (``fa4`` where it imports and the GPU
             takes it, its unsupported calls falling back to SDPA; ``sdpa`` elsewhere).
         sdpa: SDPA backends allowed, in priority order (``cudnn``, ``flash``, ``efficient``, ``math``); ``auto``:
-            cuDNN, then flash, efficient and math on CUDA, torch's default elsewhere.
+            cuDNN, then flash, efficient and math on NVIDIA GPUs, efficient and math on Kunlun XPUs (where
+            ``cudnn`` / ``flash`` are refused), torch's default elsewhere.
         packed: kernel for packed rows (several documents per row): ``auto`` (on CUDA FA4 varlen when ``kernel``
             resolves to ``fa4``, else FlexAttention for an LLM's fixed-shape rows and FlashAttention varlen for
             encoders, whose shapes change with every image grid; SDPA with a block-diagonal mask elsewhere),
@@ -125,13 +126,14 @@ class PerformanceConfig:
     Args:
         kernels: Triton kernels per layer type.
         attention: SDPA backends and the packed-rows kernel.
-        compile: ``torch.compile`` each repeated block of the plan; ``auto``: on CUDA.
+        compile: ``torch.compile`` each repeated block of the plan; ``auto``: on NVIDIA GPUs (``true`` is refused on
+            Kunlun XPUs, which have no Triton for inductor).
         activation_checkpointing: ``none``, ``full`` (recompute whole blocks) or ``selective`` (keep the outputs of
             ``selective_save_ops``, recompute the rest).
         selective_save_ops: aten overloads whose outputs selective checkpointing keeps.
         fp8: FP8 training (``None``: off); needs ``torchao``.
-        optimizer: ``fused`` (one kernel per step), ``foreach`` or ``for_loop`` Adam(W); ``auto``: fused on CUDA,
-            foreach elsewhere.
+        optimizer: ``fused`` (one kernel per step), ``foreach`` or ``for_loop`` Adam(W); ``auto``: fused on NVIDIA
+            GPUs, foreach elsewhere (``fused`` is refused on Kunlun XPUs).
     """
 
     kernels: KernelConfig = field(default_factory=KernelConfig)
