@@ -198,3 +198,16 @@ def test_fused_adamw_and_the_mfu_peak_follow_the_platform():
     register_platform("cuda", KUNLUN)
     assert monitor._peak(torch.device("cuda")) is None
     assert ThroughputMonitor(peak_tflops=300.0)._peak(torch.device("cuda")) == 300.0
+
+
+def test_capability_decisions_trace_into_compiled_graphs():
+    # Attention and MoE forwards ask the table inside compiled blocks: no graph break, and a registration is
+    # guarded on (the graph is traced again).
+    def decide(x: torch.Tensor) -> torch.Tensor:
+        y = x + 1 if capabilities(x.device).flash_attention else x - 1
+        return y * 2 if _dispatch.use_triton("auto", x) else y
+
+    compiled = torch.compile(decide, fullgraph=True, backend="eager")
+    assert compiled(torch.zeros(2)).tolist() == [-1.0, -1.0]
+    register_platform("cpu", dataclasses.replace(CPU, flash_attention=True))
+    assert compiled(torch.zeros(2)).tolist() == [1.0, 1.0]
