@@ -20,9 +20,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from lightning.pytorch.utilities import rank_zero_info
 from typing_extensions import override
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.contracts import MeasuredDevices, MeasuredModule
 
-H200_BF16_PEAK_TFLOPS = 989.0
 _KEYS = ("samples", "tokens", "flops")
 
 
@@ -30,8 +30,9 @@ class ThroughputMonitor(Callback):
     """Logs ``throughput/*`` (samples/s, tokens/s, TFLOP/s, MFU, data-wait %) and ``memory/peak_gb``.
 
     Args:
-        peak_tflops: the per-device peak used for MFU. ``None`` uses 989 TFLOP/s (H100/H200 dense bf16) on CUDA
-            and logs no MFU elsewhere.
+        peak_tflops: the per-device peak used for MFU. ``None`` uses the device platform's dense bf16 peak
+            (``forge_lightning.accelerators.capabilities``: 989 TFLOP/s, H100 / H200, on NVIDIA GPUs) and logs no
+            MFU where the platform has none (Kunlun XPUs, the CPU).
         window: optimizer steps per measurement window (the first window after start-up is skipped as warm-up).
         log_summary: print the mean of all measured windows when training ends.
     """
@@ -56,7 +57,7 @@ class ThroughputMonitor(Callback):
     def _peak(self, device: torch.device) -> float | None:
         if self.peak_tflops is not None:
             return self.peak_tflops
-        return H200_BF16_PEAK_TFLOPS if device.type == "cuda" else None
+        return capabilities(device).peak_bf16_tflops
 
     @override
     def on_train_batch_start(

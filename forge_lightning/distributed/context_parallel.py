@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.contracts.megatron import CP_COMM_TYPES
 
 
@@ -446,7 +447,7 @@ class _FlashBlock:
     def usable(q: Tensor, k: Tensor, v: Tensor) -> bool:
         D, Dv = q.shape[-1], v.shape[-1]
         return (
-            q.device.type == "cuda"
+            capabilities(q.device).flash_attention
             and q.dtype in (torch.float16, torch.bfloat16)
             and D % 8 == 0
             and D <= 256

@@ -1,4 +1,5 @@
-"""Backend selection for the kernels: Triton on CUDA, the plain-torch reference elsewhere.
+"""Backend selection for the kernels: Triton where the device's platform has it (NVIDIA GPUs), the plain-torch
+reference elsewhere (Kunlun XPUs, which are ``cuda`` devices in their CUDA-compatible mode, the CPU, ...).
 
 Triton is an optional dependency (the ``kernels`` extra) and is never imported when this package is.
 Kernels are plain Python functions wrapped in :class:`TritonKernel`, which imports Triton and jits them on
@@ -19,10 +20,12 @@ import functools
 import importlib.util
 import os
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Literal
 
 import torch
+
+from forge_lightning.accelerators.capabilities import capabilities
 
 # Placeholders so kernel modules can name them; every jitted kernel sees the real objects (see above).
 tl: Any = None
@@ -48,37 +51,57 @@ def use_triton(backend: Backend, *tensors: torch.Tensor | None) -> bool:
     """Decides whether a kernel call runs its Triton implementation.
 
     Args:
-        backend: ``"auto"`` picks Triton when every tensor is on CUDA and triton imports, the torch
-            reference otherwise (CPU, XPU, ...). ``"triton"`` insists on Triton: on CUDA, or on CPU when
-            Triton's interpreter is enabled. ``"torch"`` always runs the reference.
+        backend: see :func:`triton_backend_for`; ``"torch"`` always runs the reference.
         *tensors: the call's tensor arguments (``None`` entries are ignored).
 
     Returns:
-        True for the Triton implementation, False for the torch reference.
+        True for the Triton implementation, False for the torch reference (also for empty inputs, which have
+        nothing to launch: the reference returns the same empty results).
 
     Raises:
         ValueError: for an unknown backend name.
         RuntimeError: for ``backend="triton"`` when Triton cannot run on these tensors.
     """
+    present = [t for t in tensors if t is not None]
+    chosen = triton_backend_for(backend, {t.device.type for t in present})
+    return chosen and all(t.numel() > 0 for t in present)
+
+
+def triton_backend_for(backend: Backend, device_types: Collection[str]) -> bool:
+    """Whether a call with tensors on ``device_types`` runs Triton (the decision of :func:`use_triton`).
+
+    Args:
+        backend: ``"auto"`` picks Triton when every tensor is on one device type whose platform has Triton
+            (:mod:`forge_lightning.accelerators.capabilities`: NVIDIA GPUs) and triton imports, the torch
+            reference otherwise (Kunlun XPUs, CPU, ...). ``"triton"`` insists on Triton: on such a device, or on
+            CPU when Triton's interpreter is enabled. ``"torch"`` always runs the reference.
+        device_types: the device types of the call's tensors (``"cuda"``, ``"cpu"``).
+
+    Raises:
+        ValueError: for an unknown backend name.
+        RuntimeError: for ``backend="triton"`` when Triton cannot run on these devices.
+    """
     if backend not in _BACKENDS:
         raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
     if backend == "torch":
         return False
-    devices = {t.device.type for t in tensors if t is not None}
+    devices = set(device_types)
+    caps = capabilities(next(iter(devices))) if len(devices) == 1 else None
     if backend == "auto":
-        return (
-            devices == {"cuda"}
-            and triton_available()
-            and all(t.numel() > 0 for t in tensors if t is not None)
+        return caps is not None and caps.triton and triton_available()
+    if caps is not None and not caps.triton and devices != {"cpu"}:
+        raise RuntimeError(
+            f"backend='triton' needs Triton, which {caps.platform} devices do not have; set the kernel's "
+            "performance.kernels.<name> to 'auto' or 'torch' (backend='auto' or 'torch') for the plain-torch "
+            "reference"
         )
     if not triton_available():
         raise RuntimeError(
             "backend='triton' needs the `triton` package (install forge-lightning[kernels]); "
             "use backend='auto' or 'torch' to run the plain-torch reference"
         )
-    if devices == {"cuda"} or (devices == {"cpu"} and interpreter_enabled()):
-        # Empty inputs have nothing to launch; the reference returns the same empty results.
-        return all(t.numel() > 0 for t in tensors if t is not None)
+    if (caps is not None and caps.triton) or (devices == {"cpu"} and interpreter_enabled()):
+        return True
     raise RuntimeError(
         f"backend='triton' runs on CUDA tensors, or on CPU tensors under Triton's interpreter "
         f"(TRITON_INTERPRET=1); got tensors on {sorted(devices)}. Use backend='auto' or 'torch' for "

@@ -22,6 +22,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from forge_lightning.accelerators.capabilities import capabilities
+
 INSTALL_HINT = "pip install flash-attn-4 (FlashAttention-4, CuTe DSL; CUDA 12.8+, a Hopper or Blackwell GPU)"
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 SUPPORTED_HEAD_DIMS = (64, 128)
@@ -52,6 +54,9 @@ def device_unsupported(device: torch.device | str) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return f"FlashAttention-4 needs a CUDA GPU, got device {device.type!r}"
+    platform = capabilities(device).platform
+    if not capabilities(device).flash_attention:
+        return f"FlashAttention-4 needs an NVIDIA GPU, and this 'cuda' device is a {platform} device"
     if not torch.cuda.is_available():
         return "FlashAttention-4 needs a CUDA GPU, and CUDA is not available here"
     major, minor = torch.cuda.get_device_capability(device)

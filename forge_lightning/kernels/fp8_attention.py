@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.kernels.fp8 import dequantize_fp8, quantize_fp8
 
 E4M3_MAX = 448.0
@@ -79,6 +80,8 @@ def cudnn_fp8_attention_available(device: torch.device | str | None = None) -> s
     device = torch.device(device if device is not None else "cuda")
     if device.type != "cuda":
         return f"device {device} is not CUDA"
+    if not capabilities(device).cudnn_attention:
+        return f"device {device} is a {capabilities(device).platform} device, without cuDNN"
     major, _ = torch.cuda.get_device_capability(device)
     if major < 9:
         return f"cuDNN FP8 attention needs Hopper or newer (compute capability 9.0+), got {major}.x"
@@ -119,7 +122,7 @@ def fp8_attention(
     if q.shape[1] % k.shape[1]:
         raise ValueError(f"key/value heads ({k.shape[1]}) must divide query heads ({q.shape[1]})")
     if backend == "auto":
-        backend = "cudnn" if q.is_cuda else "torch"
+        backend = "cudnn" if capabilities(q.device).cudnn_attention else "torch"
     if backend == "torch":
         return _emulated_attention(q, k, v)
     if backend != "cudnn":
@@ -138,7 +141,11 @@ def cudnn_head_dim_unsupported(head_dim: int, device: torch.device | str) -> str
     On Hopper its FP8 backward takes head_dim 128 only (cuDNN 9.19); other sizes fail when the graph is built.
     """
     device = torch.device(device)
-    if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 and head_dim != 128:
+    if (
+        capabilities(device).cudnn_attention
+        and torch.cuda.get_device_capability(device)[0] == 9
+        and head_dim != 128
+    ):
         return f"cuDNN's FP8 attention backward on Hopper takes head_dim 128 only, got {head_dim}"
     return None
 

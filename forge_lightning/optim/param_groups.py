@@ -11,6 +11,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.optim.muon import Muon, SplitRows
 from forge_lightning.optim.muon_groups import choose_params, muon_groups, muon_summary
 from forge_lightning.optim.muon_options import MuonOptions
@@ -212,7 +213,8 @@ def optimizer_for_groups(
         raise ValueError(f"optimizer implementation ({implementation!r}) must be one of {_IMPLEMENTATIONS}")
     if implementation == "auto":
         devices = {p.device.type for g in groups for p in g["params"]}
-        implementation = "fused" if devices == {"cuda"} else "foreach"
+        fused = len(devices) == 1 and capabilities(devices.pop()).fused_optimizer
+        implementation = "fused" if fused else "foreach"
     kwargs = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps}
     if implementation == "for_loop":
         kwargs["foreach"] = False

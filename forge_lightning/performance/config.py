@@ -1,8 +1,9 @@
 """``PerformanceConfig``: every speed switch of a run, in the one YAML section ``performance`` every strategy honours.
 
 The switches change how fast a step runs, never what it computes (up to floating-point rounding and, for FP8, the
-FP8 recipe's quantisation). Each ``"auto"`` resolves to the fastest correct choice on CUDA and to plain torch
-elsewhere (CPU, XPU); :func:`resolve` does that once the device is known.
+FP8 recipe's quantisation). Each ``"auto"`` resolves to the fastest correct choice the device's platform supports
+(NVIDIA GPUs, Kunlun XPUs, the CPU: :mod:`forge_lightning.accelerators.capabilities`) and to plain torch elsewhere;
+:func:`resolve` does that once the device is known, and refuses a switch set to what the platform cannot run.
 """
 
 from __future__ import annotations
@@ -13,11 +14,15 @@ from typing import Any, Literal
 
 import torch
 
+from forge_lightning.accelerators.capabilities import DeviceCapabilities, capabilities
+
 KernelChoice = Literal["auto", "triton", "torch"]
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
 CUDA_SDPA_PRIORITY = ["cudnn", "flash", "efficient", "math"]
 """SDPA backends in priority order on CUDA: cuDNN attention first (about 1.6x FlashAttention-2's speed for causal
 GQA on an H200, measured in docs/benchmarks.md), the others as fallbacks for inputs cuDNN refuses."""
+PORTABLE_SDPA_PRIORITY = ["efficient", "math"]
+"""SDPA backends on a CUDA-typed device without cuDNN / flash attention (Kunlun's CUDA-compatible mode)."""
 PACKED_BACKENDS = ("auto", "sdpa", "flex", "varlen", "fa4")
 ATTENTION_KERNELS = ("auto", "sdpa", "fa4")
 AC_MODES = ("none", "full", "selective")
@@ -42,9 +47,9 @@ class KernelConfig:
     """Which implementation each fused layer uses: ``triton`` (our Triton kernels), ``torch`` (the plain layers,
     which ``torch.compile`` fuses) or ``auto``.
 
-    ``auto``: the fused linear + cross-entropy runs in Triton on CUDA; RMSNorm, RoPE and SwiGLU run in Triton on
-    CUDA when the blocks are not compiled (compiled blocks fuse them with their neighbours, which is faster than a
-    separate kernel); torch elsewhere.
+    ``auto``: the fused linear + cross-entropy runs in Triton on NVIDIA GPUs; RMSNorm, RoPE and SwiGLU run in Triton
+    there when the blocks are not compiled (compiled blocks fuse them with their neighbours, which is faster than a
+    separate kernel); torch elsewhere (Kunlun XPUs, CPU; ``triton`` is refused on Kunlun).
 
     Args:
         rms_norm: RMSNorm layers.
@@ -69,7 +74,8 @@ class AttentionConfig:
             128; calls with a mask or a KV cache use SDPA) or ``auto`` (``fa4`` where it imports and the GPU
             takes it, its unsupported calls falling back to SDPA; ``sdpa`` elsewhere).
         sdpa: SDPA backends allowed, in priority order (``cudnn``, ``flash``, ``efficient``, ``math``); ``auto``:
-            cuDNN, then flash, efficient and math on CUDA, torch's default elsewhere.
+            cuDNN, then flash, efficient and math on NVIDIA GPUs, efficient and math on Kunlun XPUs (where
+            ``cudnn`` / ``flash`` are refused), torch's default elsewhere.
         packed: kernel for packed rows (several documents per row): ``auto`` (on CUDA FA4 varlen when ``kernel``
             resolves to ``fa4``, else FlexAttention for an LLM's fixed-shape rows and FlashAttention varlen for
             encoders, whose shapes change with every image grid; SDPA with a block-diagonal mask elsewhere),
@@ -120,13 +126,14 @@ class PerformanceConfig:
     Args:
         kernels: Triton kernels per layer type.
         attention: SDPA backends and the packed-rows kernel.
-        compile: ``torch.compile`` each repeated block of the plan; ``auto``: on CUDA.
+        compile: ``torch.compile`` each repeated block of the plan; ``auto``: on NVIDIA GPUs (``true`` is refused on
+            Kunlun XPUs, which have no Triton for inductor).
         activation_checkpointing: ``none``, ``full`` (recompute whole blocks) or ``selective`` (keep the outputs of
             ``selective_save_ops``, recompute the rest).
         selective_save_ops: aten overloads whose outputs selective checkpointing keeps.
         fp8: FP8 training (``None``: off); needs ``torchao``.
-        optimizer: ``fused`` (one kernel per step), ``foreach`` or ``for_loop`` Adam(W); ``auto``: fused on CUDA,
-            foreach elsewhere.
+        optimizer: ``fused`` (one kernel per step), ``foreach`` or ``for_loop`` Adam(W); ``auto``: fused on NVIDIA
+            GPUs, foreach elsewhere (``fused`` is refused on Kunlun XPUs).
     """
 
     kernels: KernelConfig = field(default_factory=KernelConfig)
@@ -194,34 +201,42 @@ class ResolvedPerformance:
 
 
 def resolve_for(module: Any, device: torch.device | str) -> ResolvedPerformance:
-    """:func:`resolve` of ``module.performance`` for ``device``, cached on the module per device type (a module
-    asks at every step, e.g. for its loss kernel)."""
+    """:func:`resolve` of ``module.performance`` for ``device``, cached on the module per device type and platform
+    (a module asks at every step, e.g. for its loss kernel)."""
     cache = module.__dict__.setdefault("_resolved_performance", {})
-    kind = torch.device(device).type
+    kind = (torch.device(device).type, capabilities(device).platform)
     if kind not in cache:
         cache[kind] = resolve(module.performance, device)
     return cache[kind]
 
 
 def resolve(perf: PerformanceConfig, device: torch.device | str) -> ResolvedPerformance:
-    """Decide every ``auto`` of ``perf`` for ``device``.
+    """Decide every ``auto`` of ``perf`` for ``device``, from its platform's capabilities.
 
     Args:
         perf: the run's performance settings.
         device: where the model trains.
+
+    Raises:
+        ValueError: a switch asks for what the device's platform cannot run (Triton kernels, ``torch.compile``,
+            FP8, cuDNN / flash SDPA backends, FA4, fused Adam on a Kunlun XPU); the message names the switch.
     """
-    cuda = torch.device(device).type == "cuda"
-    compiled = cuda if perf.compile == "auto" else bool(perf.compile)
+    caps = capabilities(device)
+    check_supported(perf, caps)
+    compiled = caps.compile if perf.compile == "auto" else bool(perf.compile)
     kernels = {}
     for name, choice in dataclasses.asdict(perf.kernels).items():
         if choice == "auto":
             # Compiled blocks fuse norms, RoPE and SwiGLU with their neighbours; the loss sits outside the blocks.
-            choice = "triton" if cuda and (name == "cross_entropy" or not compiled) else "torch"
+            choice = "triton" if caps.triton and (name == "cross_entropy" or not compiled) else "torch"
         kernels[name] = choice
     sdpa = perf.attention.sdpa
     if sdpa == "auto":
-        sdpa = list(CUDA_SDPA_PRIORITY) if cuda else None
+        sdpa = _auto_sdpa(caps, torch.device(device))
     attention_kernel, note = resolve_attention_kernel(perf.attention, device)
+    optimizer = perf.optimizer
+    if optimizer == "auto":
+        optimizer = "fused" if caps.fused_optimizer else "foreach"
     return ResolvedPerformance(
         kernels=kernels,
         sdpa=sdpa,
@@ -233,8 +248,69 @@ def resolve(perf: PerformanceConfig, device: torch.device | str) -> ResolvedPerf
         activation_checkpointing=perf.activation_checkpointing,
         selective_save_ops=tuple(perf.selective_save_ops),
         fp8=perf.fp8,
-        optimizer=("fused" if cuda else "foreach") if perf.optimizer == "auto" else perf.optimizer,
+        optimizer=optimizer,
     )
+
+
+def _auto_sdpa(caps: DeviceCapabilities, device: torch.device) -> list[str] | None:
+    if caps.cudnn_attention:
+        return list(CUDA_SDPA_PRIORITY)
+    # The SDPA switches are CUDA's (torch.backends.cuda.enable_*_sdp): a CUDA-typed device without cuDNN / flash
+    # gets the portable backends; other devices keep torch's default.
+    return list(PORTABLE_SDPA_PRIORITY) if device.type == "cuda" else None
+
+
+def check_supported(perf: PerformanceConfig, caps: DeviceCapabilities) -> None:
+    """Refuse the switches set to what ``caps``' platform cannot run, naming each switch and what to set instead.
+
+    The CPU is exempt where torch serves it in its own way: Triton's interpreter (``TRITON_INTERPRET=1``) runs
+    ``triton`` kernels, inductor compiles C++ and torchao emulates FP8 there.
+
+    Args:
+        perf: the run's performance settings.
+        caps: the capabilities of the device's platform.
+
+    Raises:
+        ValueError: the first unsupported switch.
+    """
+    platform = caps.platform
+    if platform == "cpu":
+        return
+    for name, choice in dataclasses.asdict(perf.kernels).items():
+        if choice == "triton" and not caps.triton:
+            raise ValueError(
+                f"performance.kernels.{name} ('triton') is not supported on {platform}: the platform has no Triton; "
+                f"set performance.kernels.{name}: auto or torch"
+            )
+    if perf.compile is True and not caps.triton:
+        raise ValueError(
+            f"performance.compile (true) is not supported on {platform}: inductor generates Triton kernels for "
+            "accelerators, and the platform has no Triton; set performance.compile: auto or false"
+        )
+    if perf.fp8 is not None and not caps.fp8:
+        raise ValueError(
+            f"performance.fp8 (recipe {perf.fp8.recipe!r}) is not supported on {platform}: no FP8 training "
+            "kernels there; remove performance.fp8 (set performance.fp8: null) to train in bf16"
+        )
+    if perf.attention.sdpa != "auto" and not caps.cudnn_attention:
+        fused = [name for name in perf.attention.sdpa if name in ("cudnn", "flash")]
+        if fused:
+            raise ValueError(
+                f"performance.attention.sdpa lists {fused}, not supported on {platform}: no cuDNN / FlashAttention "
+                "SDPA backends there; list only 'efficient' and 'math', or set performance.attention.sdpa: auto"
+            )
+    packed = perf.attention.packed
+    if (packed == "flex" and not caps.triton) or (packed == "varlen" and not caps.flash_attention):
+        kernel = "FlexAttention compiles to Triton" if packed == "flex" else "varlen is FlashAttention's"
+        raise ValueError(
+            f"performance.attention.packed ({packed!r}) is not supported on {platform}: {kernel}; set "
+            "performance.attention.packed: auto or sdpa (SDPA with a block-diagonal document mask)"
+        )
+    if perf.optimizer == "fused" and not caps.fused_optimizer:
+        raise ValueError(
+            f"performance.optimizer ('fused') is not supported on {platform}: no fused Adam kernel there; "
+            "set performance.optimizer: auto or foreach"
+        )
 
 
 def resolve_attention_kernel(

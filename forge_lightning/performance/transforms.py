@@ -26,6 +26,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.contracts import ParallelPlan, TunedModule, traits_of
 from forge_lightning.performance.config import AC_MODES, PerformanceConfig, resolve
 from forge_lightning.performance.switches import check_applied
@@ -82,7 +83,7 @@ def apply_performance(
     apply_attention_kernel(
         resolved.attention_kernel,
         chosen=resolved.attention_kernel_chosen,
-        note=resolved.attention_kernel_note if torch.device(device).type == "cuda" else None,
+        note=resolved.attention_kernel_note if capabilities(device).flash_attention else None,
     )
     apply_activation_checkpointing(plan, resolved.activation_checkpointing, resolved.selective_save_ops)
     apply_compile(plan, enabled=resolved.compile)
@@ -179,7 +180,8 @@ def _enable_fp8_attention(plan: ParallelPlan, device: torch.device) -> None:
     )
     from forge_lightning.modules.layers.attention import Attention, SelfAttention
 
-    if device.type == "cuda":
+    cudnn = capabilities(device).cudnn_attention
+    if cudnn:
         reason = cudnn_fp8_attention_available(device)
         if reason is not None:
             raise RuntimeError(
@@ -205,7 +207,7 @@ def _enable_fp8_attention(plan: ParallelPlan, device: torch.device) -> None:
             "performance.fp8.attention: the trainable components have no grouped-query Attention layer (MLA and "
             "other attention modules have no FP8 path); set performance.fp8.attention: false"
         )
-    backend = "cuDNN fused FP8" if device.type == "cuda" else "torch emulation"
+    backend = "cuDNN fused FP8" if cudnn else "torch emulation"
     kept = f"; {other} other attention layers (MLA) stay in high precision" if other else ""
     rank_zero_info(f"fp8 attention: {enabled} layers ({backend}){kept}")
 

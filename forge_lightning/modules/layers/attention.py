@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.kernels import flash4
 from forge_lightning.kernels.fp8_attention import FP8AttentionScales, fp8_attention
 from forge_lightning.modules.layers.mlp import init_linear
@@ -106,8 +107,8 @@ def _autocast(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor]:
 
 def _fa4_refused(q: Tensor, k: Tensor, v: Tensor, chosen: bool, what: str) -> bool:
     """Whether FA4 cannot take these ``[..., heads, D]`` inputs: raise (explicit choice) or log once (``auto``)."""
-    # CUDA devices were checked when the kernel was set; tensors elsewhere (a CPU evaluation) are checked here.
-    reason = flash4.device_unsupported(q.device) if q.device.type != "cuda" else None
+    # Devices with FlashAttention were checked when the kernel was set; others (a CPU evaluation) are checked here.
+    reason = None if capabilities(q.device).flash_attention else flash4.device_unsupported(q.device)
     reason = reason or flash4.inputs_unsupported(q, k, v)
     if reason is None:
         return False
@@ -143,20 +144,28 @@ def check_attention_backend(backend: str) -> str:
 def resolve_attention_backend(backend: str, device: torch.device, *, varying_shapes: bool = False) -> str:
     """The concrete backend for ``backend`` on ``device``.
 
-    ``auto`` is ``sdpa`` off CUDA; on CUDA ``fa4`` when the process's attention kernel is FA4
-    (:func:`set_attention_kernel`), else ``flex`` (compiled for static shapes), or ``varlen`` when the rows'
-    shapes change from call to call (``varying_shapes``) and this torch has it.
+    ``auto`` follows the device's platform (:mod:`forge_lightning.accelerators.capabilities`): ``fa4`` when the
+    process's attention kernel is FA4 (:func:`set_attention_kernel`); else ``varlen`` when the rows' shapes change
+    from call to call (``varying_shapes``), the platform has FlashAttention and this torch has it; else ``flex``
+    (compiled for static shapes) where Triton runs; else ``sdpa`` with a block-diagonal mask (the CPU, Kunlun).
     """
     check_attention_backend(backend)
+    caps = capabilities(device)
     if backend == "auto":
-        if device.type != "cuda":
-            return "sdpa"
-        if _kernel.name == "fa4":
+        if _kernel.name == "fa4" and caps.flash_attention:
             return "fa4"
-        return "varlen" if varying_shapes and _varlen_attn is not None else "flex"
-    if backend == "varlen" and device.type != "cuda":
+        if varying_shapes and caps.flash_attention and _varlen_attn is not None:
+            return "varlen"
+        return "flex" if caps.triton else "sdpa"
+    if backend == "flex" and not caps.triton and device.type != "cpu":
         raise ValueError(
-            f"attention_backend 'varlen' needs CUDA (FlashAttention), got device {device.type!r}"
+            f"attention_backend 'flex' compiles FlexAttention to Triton, which {caps.platform} devices do not "
+            "have; choose 'auto' or 'sdpa'"
+        )
+    if backend == "varlen" and not caps.flash_attention:
+        raise ValueError(
+            f"attention_backend 'varlen' needs CUDA (FlashAttention), got device {device.type!r} "
+            f"(platform {caps.platform}); choose 'auto' or 'sdpa'"
         )
     if backend == "fa4":
         reason = flash4.device_unsupported(device)
@@ -260,7 +269,9 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
         return x.transpose(1, 2).reshape(B * S, x.shape[1], x.shape[3])
 
     if documents.backend == "flex":
-        return _flex_kernel(q.device.type == "cuda")(q, k, v, block_mask=documents.block_mask, enable_gqa=gqa)
+        return _flex_kernel(capabilities(q.device).triton)(
+            q, k, v, block_mask=documents.block_mask, enable_gqa=gqa
+        )
     backend, dense = documents.backend, documents.dense
     if backend == "fa4":
         q_NHD, k_NKD, v_NKD = _autocast(flat(q), flat(k), flat(v))
@@ -276,7 +287,7 @@ def _document_attention(q: Tensor, k: Tensor, v: Tensor, documents: DocumentMask
             return out_NHD.view(B, S, H, D).transpose(1, 2)
         # What `auto` serves these masks with without FA4: FlashAttention varlen on CUDA (any head dim; fp32
         # inputs go on to the dense mask below), the dense mask elsewhere.
-        if q.is_cuda and _varlen_attn is not None:
+        if capabilities(q.device).flash_attention and _varlen_attn is not None:
             backend = "varlen"
         else:
             backend, dense = "sdpa", _dense_mask(documents.document_ids, documents.causal)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.modules.layers.mlp import GatedMLP, init_linear
 
 
@@ -226,7 +227,7 @@ def _grouped_mm_supported(x: Tensor) -> bool:
         return False
     if x.dtype == torch.bfloat16:
         return x.device.type == "cpu" or (
-            x.device.type == "cuda" and torch.cuda.get_device_capability(x.device) >= (9, 0)
+            capabilities(x.device).grouped_mm and torch.cuda.get_device_capability(x.device) >= (9, 0)
         )
     # Other dtypes: CPU's eager kernel only (the shape function torch.compile traces with accepts bf16 only).
     return x.device.type == "cpu" and not torch.compiler.is_compiling()

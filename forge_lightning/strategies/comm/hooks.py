@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.strategies.comm.fp8_allreduce import fp8_all_reduce_, fp8_all_reduce_bytes
 
 HOOKS = ("none", "bf16", "fp8")
@@ -88,7 +89,7 @@ def _run(
     there, and DDP's reducer makes its stream wait on it before reading the bucket.
     """
     buffer = bucket.buffer()
-    if buffer.device.type != "cuda":
+    if not capabilities(buffer.device).cuda_streams:
         reduce_()
         fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
         fut.set_result(buffer)

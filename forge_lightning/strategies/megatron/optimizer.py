@@ -7,6 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_scheduler
 
 
@@ -121,7 +122,8 @@ def _choose_kernels(optimizer: torch.optim.Optimizer, implementation: str) -> No
         return
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if implementation == "auto":
-        implementation = "fused" if params and all(p.is_cuda for p in params) else "foreach"
+        fused = bool(params) and all(capabilities(p.device).fused_optimizer for p in params)
+        implementation = "fused" if fused else "foreach"
     for group in optimizer.param_groups:
         group["fused"] = implementation == "fused"
         group["foreach"] = implementation == "foreach"

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from forge_lightning.accelerators.capabilities import capabilities
 from forge_lightning.contracts import MegatronBuild, MegatronDims, common_divisors
 from forge_lightning.modules.llm.config import LLMConfig
 from forge_lightning.modules.llm.hf import (
@@ -166,7 +167,7 @@ class DecoderTwin:
             # There, too, the gated MLP's SiLU-and-multiply runs as megatron's compiled fused kernel (one pass
             # instead of several eager ones; not on a CPU, where compiling it would only slow short runs down).
             use_cpu_initialization=device.type != "cuda",
-            bias_activation_fusion=device.type == "cuda" and self.kernels["swiglu"] == "auto",
+            bias_activation_fusion=capabilities(device).compile and self.kernels["swiglu"] == "auto",
             **(FULL_RECOMPUTE if self.recompute == "full" else {}),
         )
 
