@@ -2,7 +2,7 @@
 
 The tiny LLM (tests/configs/tiny_llm.yaml) on 1 process, and on 2 processes under DDP and FSDP2 (each at the
 1-process global batch: the layouts' losses equal one process's, see tests/strategies/test_layouts.py); the tiny
-Pi0.5 VLA (``debug`` preset on the LeRobot fixture) on 1 process. Every process logs the runtime, its device and
+Pi0.5 VLA (``debug`` preset on the LeRobot fixture) on 1 and 2 processes. Every process logs the runtime, its device and
 the process-group backend it chose; the assertions read those lines, so a run that fell back to Lightning's CPU
 accelerator fails.
 """
@@ -117,11 +117,11 @@ def test_kunlun_by_name_is_the_registered_accelerator(tmp_path):
     assert "install xpytorch (Python module torch_xmlir, with BKCL)" in proc.stdout + proc.stderr
 
 
-def _vla_config(root: Path, name: str) -> Path:
+def _vla_config(root: Path, name: str, devices: int) -> Path:
     config = {
         "seed_everything": 3,
         "trainer": {
-            "accelerator": "cpu", "devices": 1, "max_steps": 3, "enable_checkpointing": False,
+            "accelerator": "cpu", "devices": devices, "max_steps": 3, "enable_checkpointing": False,
             "enable_progress_bar": False, "enable_model_summary": False, "log_every_n_steps": 1,
             "logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                        "init_args": {"save_dir": str(root), "name": name}},
@@ -147,13 +147,15 @@ def _vla_config(root: Path, name: str) -> Path:
     return path
 
 
-def test_tiny_vla_matches_the_cpu_run(tmp_path):
+@pytest.mark.parametrize("devices", [1, 2])
+def test_tiny_vla_matches_the_cpu_run(tmp_path, devices):
+    """The policy draws its noise from each rank's generator: 2 processes compare with the CPU's 2 processes (DDP)."""
     pytest.importorskip("pyarrow")
     pytest.importorskip("av")
     runs = {}
     for name, args in (("cpu", []), ("kunlun", KUNLUN)):
-        log = _forge(["--config", str(_vla_config(tmp_path, name)), *args], tmp_path)
+        log = _forge(["--config", str(_vla_config(tmp_path, name, devices)), *args], tmp_path)
         runs[name] = (_losses(tmp_path / name / "version_0" / "metrics.csv"), log)
     _assert_same(runs["kunlun"][0], runs["cpu"][0])
-    assert _device_lines(runs["kunlun"][1]) == ["cpu:0"]
+    assert sorted(_device_lines(runs["kunlun"][1])) == [f"cpu:{i}" for i in range(devices)]
     assert not _device_lines(runs["cpu"][1])
