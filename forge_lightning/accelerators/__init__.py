@@ -6,6 +6,7 @@ from forge_lightning.accelerators.capabilities import (
     NVIDIA,
     DeviceCapabilities,
     capabilities,
+    refuses_unsupported,
     register_platform,
     unregister_platform,
 )
@@ -16,6 +17,7 @@ __all__ = [
     "NVIDIA",
     "DeviceCapabilities",
     "capabilities",
+    "refuses_unsupported",
     "register_platform",
     "unregister_platform",
 ]
