@@ -76,10 +76,10 @@ class AttentionConfig:
         sdpa: SDPA backends allowed, in priority order (``cudnn``, ``flash``, ``efficient``, ``math``); ``auto``:
             cuDNN, then flash, efficient and math on NVIDIA GPUs, efficient and math on Kunlun XPUs (where
             ``cudnn`` / ``flash`` are refused), torch's default elsewhere.
-        packed: kernel for packed rows (several documents per row): ``auto`` (on CUDA FA4 varlen when ``kernel``
-            resolves to ``fa4``, else FlexAttention for an LLM's fixed-shape rows and FlashAttention varlen for
-            encoders, whose shapes change with every image grid; SDPA with a block-diagonal mask elsewhere),
-            ``sdpa``, ``flex``, ``varlen`` or ``fa4``.
+        packed: kernel for packed rows (several documents per row): ``auto`` (on NVIDIA GPUs FA4 varlen when
+            ``kernel`` resolves to ``fa4``, else FlexAttention for an LLM's fixed-shape rows and FlashAttention
+            varlen for encoders, whose shapes change with every image grid; SDPA with a block-diagonal mask
+            elsewhere: Kunlun XPUs, CPU), ``sdpa``, ``flex``, ``varlen`` or ``fa4``.
     """
 
     kernel: str = "auto"
