@@ -12,6 +12,7 @@ from forge_lightning.accelerators.capabilities import (
     NVIDIA,
     DeviceCapabilities,
     capabilities,
+    refuses_unsupported,
     register_platform,
     unregister_platform,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "SimulatedRuntime",
     "XmlirRuntime",
     "capabilities",
+    "refuses_unsupported",
     "register_platform",
     "unregister_platform",
 ]

@@ -142,6 +142,19 @@ def capabilities(device: torch.device | str) -> DeviceCapabilities:
     return _DEFAULTS.get(device_type) or _unknown(device_type)
 
 
+def refuses_unsupported(device: torch.device | str) -> bool:
+    """Whether a switch set to what ``device``'s platform cannot run is refused there: on the platforms the table
+    describes (NVIDIA, Kunlun, any registered one), not on the CPU (Triton's interpreter, inductor's C++ backend
+    and torchao's FP8 emulation serve it) nor on device types the table does not describe (their own stacks decide).
+
+    Args:
+        device: a device, or a device type / device string.
+    """
+    device_type = torch.device(device).type
+    described = device_type in _registered or device_type in _DEFAULTS
+    return described and capabilities(device).platform != "cpu"
+
+
 def register_platform(device_type: str, caps: DeviceCapabilities) -> None:
     """From now on, in this process, devices of ``device_type`` are ``caps.platform``'s devices.
 

@@ -91,7 +91,7 @@ REFUSALS = (
     ("fused_optimizer", "`performance.optimizer: fused`", "`auto` or `foreach`"),
 )
 """(capability, the switch a platform without it refuses, what to set instead): the refusals of
-``forge_lightning.performance.config.check_supported`` and ``resolve_attention_kernel``."""
+``forge_lightning.performance.config.refuse_unsupported`` and ``resolve_attention_kernel``."""
 
 Cell = Callable[[DeviceCapabilities, Family, Strategy], str]
 

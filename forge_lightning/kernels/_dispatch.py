@@ -25,7 +25,7 @@ from typing import Any, Literal
 
 import torch
 
-from forge_lightning.accelerators.capabilities import capabilities
+from forge_lightning.accelerators.capabilities import capabilities, refuses_unsupported
 
 # Placeholders so kernel modules can name them; every jitted kernel sees the real objects (see above).
 tl: Any = None
@@ -89,7 +89,7 @@ def triton_backend_for(backend: Backend, device_types: Collection[str]) -> bool:
     caps = capabilities(next(iter(devices))) if len(devices) == 1 else None
     if backend == "auto":
         return caps is not None and caps.triton and triton_available()
-    if caps is not None and not caps.triton and devices != {"cpu"}:
+    if caps is not None and not caps.triton and refuses_unsupported(next(iter(devices))):
         raise RuntimeError(
             f"backend='triton' needs Triton, which {caps.platform} devices do not have; set the kernel's "
             "performance.kernels.<name> to 'auto' or 'torch' (backend='auto' or 'torch') for the plain-torch "

@@ -54,9 +54,9 @@ def device_unsupported(device: torch.device | str) -> str | None:
     device = torch.device(device)
     if device.type != "cuda":
         return f"FlashAttention-4 needs a CUDA GPU, got device {device.type!r}"
-    platform = capabilities(device).platform
-    if not capabilities(device).flash_attention:
-        return f"FlashAttention-4 needs an NVIDIA GPU, and this 'cuda' device is a {platform} device"
+    caps = capabilities(device)
+    if not caps.flash_attention:
+        return f"FlashAttention-4 needs an NVIDIA GPU, and this 'cuda' device is a {caps.platform} device"
     if not torch.cuda.is_available():
         return "FlashAttention-4 needs a CUDA GPU, and CUDA is not available here"
     major, minor = torch.cuda.get_device_capability(device)

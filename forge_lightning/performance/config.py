@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from forge_lightning.accelerators.capabilities import DeviceCapabilities, capabilities
+from forge_lightning.accelerators.capabilities import DeviceCapabilities, capabilities, refuses_unsupported
 
 KernelChoice = Literal["auto", "triton", "torch"]
 SDPA_BACKENDS = ("cudnn", "flash", "efficient", "math")
@@ -76,10 +76,10 @@ class AttentionConfig:
         sdpa: SDPA backends allowed, in priority order (``cudnn``, ``flash``, ``efficient``, ``math``); ``auto``:
             cuDNN, then flash, efficient and math on NVIDIA GPUs, efficient and math on Kunlun XPUs (where
             ``cudnn`` / ``flash`` are refused), torch's default elsewhere.
-        packed: kernel for packed rows (several documents per row): ``auto`` (on CUDA FA4 varlen when ``kernel``
-            resolves to ``fa4``, else FlexAttention for an LLM's fixed-shape rows and FlashAttention varlen for
-            encoders, whose shapes change with every image grid; SDPA with a block-diagonal mask elsewhere),
-            ``sdpa``, ``flex``, ``varlen`` or ``fa4``.
+        packed: kernel for packed rows (several documents per row): ``auto`` (on NVIDIA GPUs FA4 varlen when
+            ``kernel`` resolves to ``fa4``, else FlexAttention for an LLM's fixed-shape rows and FlashAttention
+            varlen for encoders, whose shapes change with every image grid; SDPA with a block-diagonal mask
+            elsewhere: Kunlun XPUs, CPU), ``sdpa``, ``flex``, ``varlen`` or ``fa4``.
     """
 
     kernel: str = "auto"
@@ -222,7 +222,8 @@ def resolve(perf: PerformanceConfig, device: torch.device | str) -> ResolvedPerf
             FP8, cuDNN / flash SDPA backends, FA4, fused Adam on a Kunlun XPU); the message names the switch.
     """
     caps = capabilities(device)
-    check_supported(perf, caps)
+    if refuses_unsupported(device):
+        refuse_unsupported(perf, caps)
     compiled = caps.compile if perf.compile == "auto" else bool(perf.compile)
     kernels = {}
     for name, choice in dataclasses.asdict(perf.kernels).items():
@@ -260,11 +261,9 @@ def _auto_sdpa(caps: DeviceCapabilities, device: torch.device) -> list[str] | No
     return list(PORTABLE_SDPA_PRIORITY) if device.type == "cuda" else None
 
 
-def check_supported(perf: PerformanceConfig, caps: DeviceCapabilities) -> None:
-    """Refuse the switches set to what ``caps``' platform cannot run, naming each switch and what to set instead.
-
-    The CPU is exempt where torch serves it in its own way: Triton's interpreter (``TRITON_INTERPRET=1``) runs
-    ``triton`` kernels, inductor compiles C++ and torchao emulates FP8 there.
+def refuse_unsupported(perf: PerformanceConfig, caps: DeviceCapabilities) -> None:
+    """Refuse the switches set to what ``caps``' platform cannot run, naming each switch and what to set instead
+    (:func:`resolve` asks where :func:`~forge_lightning.accelerators.capabilities.refuses_unsupported`).
 
     Args:
         perf: the run's performance settings.
@@ -274,8 +273,6 @@ def check_supported(perf: PerformanceConfig, caps: DeviceCapabilities) -> None:
         ValueError: the first unsupported switch.
     """
     platform = caps.platform
-    if platform == "cpu":
-        return
     for name, choice in dataclasses.asdict(perf.kernels).items():
         if choice == "triton" and not caps.triton:
             raise ValueError(

@@ -12,6 +12,7 @@ from forge_lightning.accelerators.capabilities import (
     KUNLUN,
     NVIDIA,
     capabilities,
+    refuses_unsupported,
     register_platform,
     registered_platforms,
     unregister_platform,
@@ -21,6 +22,7 @@ from forge_lightning.kernels import _dispatch, flash4
 from forge_lightning.modules.layers.attention import resolve_attention_backend
 from forge_lightning.optim.param_groups import OptimizerConfig, optimizer_for_groups
 from forge_lightning.performance import PerformanceConfig, resolve
+from forge_lightning.strategies.megatron.optimizer import _choose_kernels as choose_kernels
 
 KERNELS = ("rms_norm", "rope", "swiglu", "cross_entropy")
 
@@ -140,6 +142,21 @@ def test_kunlun_refuses_what_it_cannot_run_by_switch(kunlun_cuda, overrides, mat
         resolve(perf, "cpu")  # the rest is not: interpreter, C++ inductor, torchao's FP8 emulation
 
 
+def test_refusals_apply_where_the_table_describes_the_platform():
+    assert refuses_unsupported("cuda") and not refuses_unsupported("cpu") and not refuses_unsupported("xpu")
+    # A device type the table does not describe gets plain torch for `auto`, and its explicit choices are its own.
+    resolved = resolve(PerformanceConfig(compile=True, optimizer="fused", fp8={}), "xpu")
+    assert (
+        resolved.compile
+        and resolved.optimizer == "fused"
+        and resolved.kernels == dict.fromkeys(KERNELS, "torch")
+    )
+    register_platform("xpu", KUNLUN)
+    assert refuses_unsupported("xpu")
+    with pytest.raises(ValueError, match="performance.compile .* not supported on kunlun"):
+        resolve(PerformanceConfig(compile=True), "xpu")
+
+
 def test_simulated_kunlun_on_cpu_takes_the_kunlun_decisions():
     # The simulated runtime's devices are CPU devices registered as Kunlun.
     register_platform("cpu", KUNLUN)
@@ -183,15 +200,20 @@ def test_attention_backends_follow_the_platform(kunlun_cuda):
     assert resolve_attention_backend("varlen", cuda) == "varlen"
 
 
-def test_fused_adamw_and_the_mfu_peak_follow_the_platform():
+def test_fused_adamw_under_every_strategy_and_the_mfu_peak_follow_the_platform():
     def adamw_flags() -> tuple[bool, bool]:
         weight = torch.nn.Parameter(torch.randn(4, 4))
         group = optimizer_for_groups([{"params": [weight]}], OptimizerConfig(name="adamw")).param_groups[0]
         return group["fused"], group["foreach"]
 
-    assert adamw_flags() == (None, True)  # CPU: foreach
+    def megatron_flags() -> tuple[bool, bool]:
+        optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.randn(4, 4))])
+        choose_kernels(optimizer, "auto")
+        return optimizer.param_groups[0]["fused"], optimizer.param_groups[0]["foreach"]
+
+    assert adamw_flags() == (None, True) and megatron_flags() == (False, True)  # CPU: foreach
     register_platform("cpu", dataclasses.replace(CPU, fused_optimizer=True))
-    assert adamw_flags() == (True, None)
+    assert adamw_flags() == (True, None) and megatron_flags() == (True, False)
     unregister_platform("cpu")
     monitor = ThroughputMonitor()
     assert monitor._peak(torch.device("cuda")) == 989.0 and monitor._peak(torch.device("cpu")) is None

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from forge_lightning.accelerators.capabilities import capabilities
+from forge_lightning.accelerators.capabilities import capabilities, refuses_unsupported
 from forge_lightning.kernels import flash4
 from forge_lightning.kernels.fp8_attention import FP8AttentionScales, fp8_attention
 from forge_lightning.modules.layers.mlp import init_linear
@@ -157,7 +157,7 @@ def resolve_attention_backend(backend: str, device: torch.device, *, varying_sha
         if varying_shapes and caps.flash_attention and _varlen_attn is not None:
             return "varlen"
         return "flex" if caps.triton else "sdpa"
-    if backend == "flex" and not caps.triton and device.type != "cpu":
+    if backend == "flex" and not caps.triton and refuses_unsupported(device):
         raise ValueError(
             f"attention_backend 'flex' compiles FlexAttention to Triton, which {caps.platform} devices do not "
             "have; choose 'auto' or 'sdpa'"
