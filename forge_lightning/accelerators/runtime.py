@@ -115,12 +115,37 @@ class KunlunRuntime(Protocol):
         ...
 
 
+MIN_TORCH = (2, 6)
+"""The oldest torch the project runs on (pyproject's ``torch>=2.6``): FSDP2's public ``fully_shard``, DTensor."""
+
+
+def check_torch_version(version: str) -> None:
+    """Refuse a vendor torch older than the project's minimum, naming both versions.
+
+    Args:
+        version: ``torch.__version__`` of the vendor build (e.g. ``2.5.1+xmlir``).
+
+    Raises:
+        RuntimeError: ``version`` is older than :data:`MIN_TORCH`.
+    """
+    major, minor = (int(part) for part in version.split("+")[0].split(".")[:2])
+    if (major, minor) < MIN_TORCH:
+        raise RuntimeError(
+            f"the installed xpytorch is built on torch {version}; forge-lightning needs torch >= "
+            f"{'.'.join(map(str, MIN_TORCH))} (FSDP2, DTensor): install the vendor's build for a newer torch "
+            "(see docs/kunlun.md, Install)"
+        )
+
+
 def import_xmlir() -> ModuleType:
-    """``import torch_xmlir`` (the vendor's module), or an ``ImportError`` that says what to install."""
+    """``import torch_xmlir`` (the vendor's module), or an ``ImportError`` that says what to install; a vendor torch
+    older than the project's minimum is refused (:func:`check_torch_version`)."""
     try:
-        return importlib.import_module("torch_xmlir")
+        module = importlib.import_module("torch_xmlir")
     except ImportError as err:
         raise ImportError(MISSING_XMLIR) from err
+    check_torch_version(torch.__version__)
+    return module
 
 
 def _privateuse1_name() -> str:

@@ -4,6 +4,7 @@ the capability registration and the strategies' backend / DeviceMesh choice."""
 
 from __future__ import annotations
 
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -21,6 +22,7 @@ from forge_lightning.accelerators import (
     XmlirRuntime,
     capabilities,
 )
+from forge_lightning.accelerators.runtime import check_torch_version
 from forge_lightning.contracts import (
     DistributedDevices,
     MeasuredDevices,
@@ -195,3 +197,16 @@ def test_strategies_take_backend_and_mesh_type_from_the_accelerator(xmlir):
     explicit.accelerator = accelerator
     explicit.parallel_devices = [device]
     assert explicit._get_process_group_backend() == "gloo"
+
+
+@pytest.mark.parametrize("version", ["2.5.1", "2.5.1+xmlir", "1.13.0"])
+def test_a_vendor_torch_older_than_the_minimum_is_refused_with_both_versions(version):
+    with pytest.raises(
+        RuntimeError, match=rf"built on torch {re.escape(version)}; forge-lightning needs torch >= 2.6"
+    ):
+        check_torch_version(version)
+
+
+@pytest.mark.parametrize("version", ["2.6.0", "2.13.0+cpu", "3.0.0"])
+def test_a_supported_vendor_torch_passes(version):
+    check_torch_version(version)
