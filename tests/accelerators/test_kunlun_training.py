@@ -2,7 +2,7 @@
 
 The tiny LLM (tests/configs/tiny_llm.yaml) on 1 process, and on 2 processes under DDP and FSDP2 (each at the
 1-process global batch: the layouts' losses equal one process's, see tests/strategies/test_layouts.py); the tiny
-Pi0.5 VLA (``debug`` preset on the LeRobot fixture) on 1 and 2 processes. Every process logs the runtime, its device and
+Pi0.5 VLA (``debug`` preset on the LeRobot fixture) on 1 process and on 2 under DDP and FSDP2. Every process logs the runtime, its device and
 the process-group backend it chose; the assertions read those lines, so a run that fell back to Lightning's CPU
 accelerator fails.
 """
@@ -147,13 +147,14 @@ def _vla_config(root: Path, name: str, devices: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("devices", [1, 2])
-def test_tiny_vla_matches_the_cpu_run(tmp_path, devices):
-    """The policy draws its noise from each rank's generator: 2 processes compare with the CPU's 2 processes (DDP)."""
+@pytest.mark.parametrize(("devices", "strategy"), [(1, "auto"), (2, "ddp"), (2, "fsdp2")])
+def test_tiny_vla_matches_the_cpu_run(tmp_path, devices, strategy):
+    """The policy draws its noise from each rank's generator: 2 processes compare with the CPU's 2 processes."""
     pytest.importorskip("pyarrow")
     pytest.importorskip("av")
     runs = {}
     for name, args in (("cpu", []), ("kunlun", KUNLUN)):
+        args = [*args, "--trainer.strategy", strategy]
         log = _forge(["--config", str(_vla_config(tmp_path, name, devices)), *args], tmp_path)
         runs[name] = (_losses(tmp_path / name / "version_0" / "metrics.csv"), log)
     _assert_same(runs["kunlun"][0], runs["cpu"][0])
