@@ -29,6 +29,23 @@ def assert_clean_exit(proc: subprocess.CompletedProcess) -> None:
     raise AssertionError(f"exit code {proc.returncode}\n{out[-6000:]}")
 
 
+def forge_process(args: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m forge_lightning ARGS`` in ``cwd`` (``OMP_NUM_THREADS=1``, W&B offline), its output captured; the
+    caller checks the result (:func:`run_forge` for a run that must succeed)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
+    return subprocess.run(
+        [sys.executable, "-m", "forge_lightning", *args],
+        cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout,
+    )  # fmt: skip
+
+
+def run_forge(args: list[str], cwd: Path, timeout: float = 300) -> str:
+    """:func:`forge_process` that must exit cleanly (:func:`assert_clean_exit`); its stdout and stderr."""
+    proc = forge_process(args, cwd, timeout)
+    assert_clean_exit(proc)
+    return proc.stdout + proc.stderr
+
+
 def run_workers(script: Path, world: int, out: Path, timeout: float = 300) -> list[dict]:
     """``python script RANK WORLD STORE OUT`` on ``world`` processes (``OMP_NUM_THREADS=1``; they meet through a
     file store under ``out``); every rank must exit cleanly and write ``out/rank{RANK}.json``, returned in rank

@@ -12,6 +12,7 @@ capability for FA4, FP8 or ``torch._grouped_mm``) still follows where the featur
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -110,20 +111,7 @@ _registered: dict[str, DeviceCapabilities] = {}
 
 def _unknown(device_type: str) -> DeviceCapabilities:
     # A device type nobody described (xpu, mps, a PrivateUse1 backend): plain torch, nothing assumed.
-    return DeviceCapabilities(
-        platform=device_type,
-        triton=False,
-        compile=False,
-        fp8=False,
-        cudnn_attention=False,
-        flash_attention=False,
-        fused_optimizer=False,
-        grouped_mm=False,
-        cuda_streams=False,
-        bf16=False,
-        autocast_dtype=None,
-        peak_bf16_tflops=None,
-    )
+    return dataclasses.replace(CPU, platform=device_type, fp8=False, bf16=False, autocast_dtype=None)
 
 
 def capabilities(device: torch.device | str) -> DeviceCapabilities:

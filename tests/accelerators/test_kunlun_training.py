@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import assert_clean_exit
+from procs import run_forge
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
@@ -32,17 +32,7 @@ KUNLUN = [
 
 
 def _forge(args: list[str], cwd: Path) -> str:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "forge_lightning", "fit", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert_clean_exit(proc)
-    return proc.stdout + proc.stderr
+    return run_forge(["fit", *args], cwd)
 
 
 def _losses(metrics: Path) -> dict[int, float]:

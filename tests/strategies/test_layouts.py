@@ -6,38 +6,19 @@ written at step 3 are resumed on ONE process (a different world size) and must r
 """
 
 import csv
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from faults import overwrite_middle
-from procs import assert_clean_exit
+from procs import forge_process, run_forge
 
 from forge_lightning import manifest
 
 REPO = Path(__file__).resolve().parents[2]
 TINY_YAML = REPO / "tests" / "configs" / "tiny_llm.yaml"
 STEPS = [0, 1, 2, 3, 4]
-
-
-def _run_forge(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WANDB_MODE": "offline"}
-    return subprocess.run(
-        [sys.executable, "-m", "forge_lightning", *args],
-        cwd=cwd,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-
-
-def _forge(args: list[str], cwd: Path) -> None:
-    assert_clean_exit(_run_forge(args, cwd))
 
 
 def _losses(root: Path, name: str) -> dict[int, float]:
@@ -73,7 +54,7 @@ def runner(tiny_corpus, tmp_path_factory):
             if checkpoint
             else ["--trainer.enable_checkpointing", "false"]
         )
-        _forge(
+        run_forge(
             [
                 *common,
                 "--trainer.devices",
@@ -132,7 +113,7 @@ def test_fsdp2_with_activation_checkpointing_and_dcp_resume_on_one_process(runne
     shard = max(corrupt.glob("__1_*.distcp"), key=lambda p: p.stat().st_size)
     overwrite_middle(shard)
     args = ["validate", *runner.common[1:], "--trainer.strategy", "fsdp2", "--trainer.devices", "2"]
-    proc = _run_forge([*args, "--data.batch_size", "2", "--ckpt_path", str(corrupt)], runner.root)
+    proc = forge_process([*args, "--data.batch_size", "2", "--ckpt_path", str(corrupt)], runner.root)
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0, output[-3000:]
     assert f"{shard.name}: content changed" in output and "does not match its manifest" in output, output[
