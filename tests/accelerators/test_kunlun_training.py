@@ -1,9 +1,10 @@
 """``forge fit`` on the simulated Kunlun runtime trains to the CPU run's losses, through the plugin's own code.
 
-The tiny LLM (tests/configs/tiny_llm.yaml) on 1 process, and on 2 processes under DDP and FSDP2 (each at the
-1-process global batch: the layouts' losses equal one process's, see tests/strategies/test_layouts.py); the tiny
-Pi0.5 VLA (``debug`` preset on the LeRobot fixture) on 1 process and on 2 under DDP and FSDP2. Every process logs the runtime, its device and
-the process-group backend it chose; the assertions read those lines, so a run that fell back to Lightning's CPU
+The quick-start recipe (configs/quickstart/llm.yaml, 10 steps) on 1 process; the tiny LLM
+(tests/configs/tiny_llm.yaml) on 1 process, and on 2 processes under DDP and FSDP2 (each at the 1-process global
+batch: the layouts' losses equal one process's, see tests/strategies/test_layouts.py); the tiny Pi0.5 VLA (``debug``
+preset on the LeRobot fixture) on 1 process and on 2 under DDP and FSDP2. Every process logs the runtime, its device
+and the process-group backend it chose; the assertions read those lines, so a run that fell back to Lightning's CPU
 accelerator fails.
 """
 
@@ -150,3 +151,28 @@ def test_tiny_vla_matches_the_cpu_run(tmp_path, devices, strategy):
     _assert_same(runs["kunlun"][0], runs["cpu"][0])
     assert sorted(_device_lines(runs["kunlun"][1])) == [f"cpu:{i}" for i in range(devices)]
     assert not _device_lines(runs["cpu"][1])
+
+
+def test_the_quick_start_llm_matches_the_cpu_run(tmp_path):
+    """The quick-start recipe itself (configs/quickstart/llm.yaml, its callbacks included: throughput, validation
+    summary, HF export, text sample), 10 steps on its own data, on the simulated runtime and on the CPU."""
+    data = tmp_path / "data"
+    subprocess.run(
+        [sys.executable, "-m", "forge_lightning.tools.data", "quickstart", "--output", str(data)],
+        check=True, capture_output=True, timeout=300,
+    )  # fmt: skip
+    runs = {}
+    for name, args in (("cpu", []), ("kunlun", KUNLUN)):
+        log = _forge(
+            ["--config", str(REPO / "configs" / "quickstart" / "llm.yaml"), *args,
+             "--data.data_prefix", str(data / "stdlib_text_document"), "--data.tokenizer", str(data / "tokenizer"),
+             "--trainer.max_steps", "10", "--trainer.val_check_interval", "10", "--trainer.limit_val_batches", "2",
+             "--trainer.log_every_n_steps", "1", "--trainer.default_root_dir", str(tmp_path / name),
+             "--trainer.logger", "lightning.pytorch.loggers.CSVLogger",
+             "--trainer.logger.save_dir", str(tmp_path), "--trainer.logger.name", name],
+            tmp_path,
+        )  # fmt: skip
+        runs[name] = (_losses(tmp_path / name / "version_0" / "metrics.csv"), log)
+    assert sorted(runs["cpu"][0]) == list(range(10))
+    _assert_same(runs["kunlun"][0], runs["cpu"][0])
+    assert _device_lines(runs["kunlun"][1]) == ["cpu:0"]
