@@ -174,6 +174,12 @@ class _Bucket:
         self.wire_dtype = wire_dtype
         self.param_dtype = _promoted([params[i].dtype for i in indices])
         self.device = params[indices[0]].to_local().device
+        if group is not None and self.device.type == "cpu" and "gloo" not in dist.get_backend(group):
+            raise ValueError(
+                f"Muon's sharded exchange runs where the parameter shards are (the CPU), but their process group's "
+                f"backend is {dist.get_backend(group)!r}: FSDP2's cpu_offload with Muon is not supported; set "
+                "cpu_offload to false (or use AdamW)"
+            )
         members = [dist.get_rank()] if group is None else dist.get_process_group_ranks(group)
         meshes: dict[int, dict[int, list[int]]] = {}
         self.pieces: dict[int, list[_Piece]] = {}
