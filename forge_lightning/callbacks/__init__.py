@@ -1,5 +1,5 @@
 """Callbacks: throughput and MFU, text samples, video samples and predictions, Hugging Face export, validation
-summaries, closed-loop evaluation, and the progress bar, model summary, non-finite guard and config drift check
+summaries, closed-loop evaluation, MoE router-load recording, and the progress bar, model summary, non-finite guard and config drift check
 ``forge`` uses by default."""
 
 from forge_lightning.callbacks.closed_loop import ClosedLoopEval
@@ -9,6 +9,7 @@ from forge_lightning.callbacks.export import HFExport
 from forge_lightning.callbacks.generation import TextPredictionWriter, TextSample
 from forge_lightning.callbacks.guard import NonFiniteGuard
 from forge_lightning.callbacks.progress import StepProgressBar, StepTQDMProgressBar
+from forge_lightning.callbacks.router_load import RouterLoadRecorder
 from forge_lightning.callbacks.summary import ForgeModelSummary
 from forge_lightning.callbacks.throughput import ThroughputMonitor
 from forge_lightning.callbacks.validation import ValidationSummary
@@ -22,6 +23,7 @@ __all__ = [
     "HFExport",
     "NonFiniteGuard",
     "ResumeOptions",
+    "RouterLoadRecorder",
     "StepProgressBar",
     "StepTQDMProgressBar",
     "TextPredictionWriter",

@@ -33,7 +33,9 @@ class RouterLoadRecorder(Callback):
         description: what the run is (stored in the file's ``meta``).
     """
 
-    def __init__(self, path: str | Path | None = None, *, ep_size: int | None = None, description: str = "") -> None:
+    def __init__(
+        self, path: str | Path | None = None, *, ep_size: int | None = None, description: str = ""
+    ) -> None:
         if ep_size is not None and ep_size < 1:
             raise ValueError(f"ep_size ({ep_size}) must be a positive number of ranks")
         self.path = None if path is None else Path(path)
@@ -107,8 +109,12 @@ def save_trace(path: str | Path, loads: np.ndarray, steps: np.ndarray, meta: dic
     """
     if loads.ndim != 3 or len(steps) != len(loads):
         raise ValueError(f"loads must be [steps, layers, experts] with one step each; got {loads.shape}")
-    arrays = {"loads": loads.astype(np.float32), "steps": np.asarray(steps, dtype=np.int64), "meta": json.dumps(meta)}
-    write_file(path, lambda stream: np.savez(stream, **arrays))
+    arrays = {
+        "loads": loads.astype(np.float32),
+        "steps": np.asarray(steps, dtype=np.int64),
+        "meta": json.dumps(meta),
+    }
+    write_file(path, lambda stream: np.savez_compressed(stream, **arrays))
     return Path(path)
 
 

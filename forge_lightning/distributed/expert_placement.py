@@ -13,11 +13,12 @@ Communication is priced per token moved between ranks, ``0`` on the same rank, `
 ``cross_node_cost`` between nodes; tokens originate uniformly over the ranks unless per-rank source loads are
 given. A replica also costs ``replica_sync_tokens`` (in token-equivalents, priced by the link between it and the
 primary) per step for the gradient sum that keeps it equal to its primary. The planner is greedy: it repeatedly
-relieves the most loaded rank by adding the replica (expert, destination rank) that lowers ``max rank load +
-comm_weight * communication / ep_size`` most, re-balancing the expert's shares over its holders by water-filling.
-It never raises the most loaded rank above plain EP's, and with equal loads the communication term keeps replicas
-on their primary's node. :func:`greedy_replicas` (hottest experts into the least loaded ranks, even shares, no
-topology) and :func:`plain_placement` are the baselines the simulator compares against.
+relieves the most loaded rank with the replica (an expert on that rank, a destination with a free slot) of the
+highest net gain (how far the ranks it touches fall below the current maximum, less ``comm_weight / ep_size``
+times the communication it adds), re-balancing the expert's shares over its holders by water-filling. It never
+raises the most loaded rank above plain EP's, and with equal loads the communication term keeps replicas on their
+primary's node. :func:`greedy_replicas` (hottest experts into the least loaded ranks, even shares, no topology)
+and :func:`plain_placement` are the baselines the simulator compares against.
 
 Every function is deterministic (ties go to the lowest expert / rank index).
 """
@@ -177,13 +178,24 @@ def _water_fill(base: np.ndarray, total: float) -> np.ndarray:
 class _State:
     """The planner's working copy: holders, shares, per-rank loads and the communication of each expert."""
 
-    def __init__(self, loads: np.ndarray, ep_size: int, costs: np.ndarray, src: np.ndarray, sync: float):
+    def __init__(
+        self,
+        loads: np.ndarray,
+        ep_size: int,
+        ranks_per_node: int,
+        costs: np.ndarray,
+        src: np.ndarray,
+        sync: float,
+    ):
         self.loads, self.costs, self.src, self.sync = loads, costs, src, sync
+        self.ranks_per_node = ranks_per_node
         per_rank = loads.size // ep_size
         self.holders = [[e // per_rank] for e in range(loads.size)]
         self.shares = [np.ones(1) for _ in range(loads.size)]
         self.rank_load = np.bincount([h[0] for h in self.holders], weights=loads, minlength=ep_size)
-        self.expert_cost = np.array([self.cost_of(e, self.holders[e], self.shares[e]) for e in range(loads.size)])
+        self.expert_cost = np.array(
+            [self.cost_of(e, self.holders[e], self.shares[e]) for e in range(loads.size)]
+        )
 
     def cost_of(self, e: int, holders: Sequence[int], shares: np.ndarray) -> float:
         # Each source rank splits its tokens of e by the shares (a token-index split does not see the source).
@@ -241,7 +253,9 @@ def plan_replicas(
     if np.any(loads < 0):
         raise ValueError("loads must be non-negative token counts")
     costs = link_costs(ep_size, ranks_per_node, cross_node_cost)
-    state = _State(loads, ep_size, costs, _sources(loads, ep_size, source_loads), replica_sync_tokens)
+    state = _State(
+        loads, ep_size, ranks_per_node, costs, _sources(loads, ep_size, source_loads), replica_sync_tokens
+    )
     free = np.full(ep_size, spare)
     limit = ep_size if max_replicas_per_expert is None else max_replicas_per_expert
 
@@ -269,9 +283,7 @@ def _best_move(
     for e in sorted(on_hot, key=lambda e: (-loads[e] * state.shares[e][state.holders[e].index(hot)], e)):
         if len(state.holders[e]) - 1 >= limit:
             continue
-        for d in np.flatnonzero(free):
-            if d in state.holders[e]:
-                continue
+        for d in _candidates(state, free, e):
             holders = [*state.holders[e], int(d)]
             shares = state.split(e, holders)
             touched = state.rank_load[holders] + loads[e] * (shares - np.append(state.shares[e], 0.0))
@@ -280,6 +292,19 @@ def _best_move(
             if touched.max() <= peak + 1e-9 and gain > 1e-9 and (best is None or gain > best[0] + 1e-12):
                 best = (gain, e, holders, shares)
     return None if best is None else best[1:]
+
+
+def _candidates(state: _State, free: np.ndarray, e: int, per_node: int = 2) -> list[int]:
+    """Destinations worth trying for a replica of ``e``: on each node, the ``per_node`` least loaded ranks with a
+    free slot that do not hold ``e`` (a water-fill gains most on the least loaded ranks; which node it is on
+    changes the communication)."""
+    open_ranks = [int(r) for r in np.flatnonzero(free) if r not in state.holders[e]]
+    by_node: dict[int, list[int]] = {}
+    for r in sorted(open_ranks, key=lambda r: (state.rank_load[r], r)):
+        node = by_node.setdefault(r // state.ranks_per_node, [])
+        if len(node) < per_node:
+            node.append(r)
+    return sorted(r for node in by_node.values() for r in node)
 
 
 def _placement(state: _State, ep_size: int, ranks_per_node: int, slots: int, seconds: float) -> Placement:

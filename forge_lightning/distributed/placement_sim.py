@@ -68,7 +68,9 @@ class Layout:
         }
 
 
-def replay(loads_SLE: np.ndarray, layout: Layout, *, window: int, replan_every: int) -> dict[str, dict[str, float]]:
+def replay(
+    loads_SLE: np.ndarray, layout: Layout, *, window: int, replan_every: int
+) -> dict[str, dict[str, float]]:
     """Scores plain EP, greedy replication and ours on a trace.
 
     Args:
@@ -108,7 +110,11 @@ def replay(loads_SLE: np.ndarray, layout: Layout, *, window: int, replan_every: 
                     expert_state_bytes=layout.expert_state_bytes,
                 )
                 imbalance.append(m.imbalance)
-                comm, tokens, moved = comm + m.comm_cost, tokens + loads_SLE[step, layer].sum(), moved + m.moved_replicas
+                comm, tokens, moved = (
+                    comm + m.comm_cost,
+                    tokens + loads_SLE[step, layer].sum(),
+                    moved + m.moved_replicas,
+                )
         replans = len(plan_s)
         results[name] = {
             "imbalance": float(np.mean(imbalance)),
@@ -134,8 +140,8 @@ def synthetic_trace(
     seed: int = 0,
 ) -> np.ndarray:
     """A synthetic skewed trace: per layer, expert popularity ``~ 1 / rank^zipf`` over a random ranking that drifts
-    (each step, each expert swaps its rank with a random neighbour's with probability ``drift``); each step's
-    loads are a multinomial draw of ``assignments_per_step``.
+    (each step, every pair of adjacent popularity ranks swaps with probability ``drift``); each step's loads are a
+    multinomial draw of ``assignments_per_step``.
 
     Args:
         steps: optimizer steps.
@@ -143,7 +149,7 @@ def synthetic_trace(
         experts: experts per layer.
         assignments_per_step: routed assignments (tokens x top-k) per step and layer.
         zipf: skew exponent (0: uniform).
-        drift: per-step swap probability of each expert's popularity rank.
+        drift: per-step swap probability of each pair of adjacent popularity ranks.
         seed: random seed.
 
     Returns:

@@ -42,7 +42,9 @@ def record(args: argparse.Namespace) -> None:
     data_dir = Path(args.data)
     tokenizer = data_dir / QUICKSTART_TOKENIZER
     if not tokenizer.is_dir():
-        raise SystemExit(f"moe_placement record: {tokenizer} is missing; run `forge-data quickstart --output {data_dir}`")
+        raise SystemExit(
+            f"moe_placement record: {tokenizer} is missing; run `forge-data quickstart --output {data_dir}`"
+        )
     torch.manual_seed(args.seed)
     data = PretrainDataModule(
         str(data_dir / QUICKSTART_PREFIX),
@@ -54,7 +56,9 @@ def record(args: argparse.Namespace) -> None:
     )
     data.setup("fit")
     moe = {**PRESETS["debug-moe"]["moe"], "num_experts": args.experts, "num_experts_per_tok": args.top_k}
-    config = LLMConfig.from_preset("debug-moe", vocab_size=data.tokenizer.vocab_size, num_layers=args.layers, moe=moe)
+    config = LLMConfig.from_preset(
+        "debug-moe", vocab_size=data.tokenizer.vocab_size, num_layers=args.layers, moe=moe
+    )
     module = CausalLM.from_config(config.to_hf(), optimizer={"lr": args.lr}, performance={"compile": False})
     description = (
         f"recorded: debug-moe LLM preset with {args.layers} layers, {args.experts} experts, top-{args.top_k} "
@@ -116,7 +120,10 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
         sync = 3.0 * inter if args.sync_tokens is None else args.sync_tokens
         for ep in args.ep:
             if loads.shape[-1] % ep:
-                print(f"skipping EP={ep} for {path}: it does not divide {loads.shape[-1]} experts", file=sys.stderr)
+                print(
+                    f"skipping EP={ep} for {path}: it does not divide {loads.shape[-1]} experts",
+                    file=sys.stderr,
+                )
                 continue
             layout = Layout(
                 ep_size=ep,
@@ -167,10 +174,14 @@ def _row(trace: str, ep: int, name: str, r: dict[str, float], plain: dict[str, f
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m forge_lightning.tools.moe_placement", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m forge_lightning.tools.moe_placement", description=__doc__
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     rec = sub.add_parser("record", help="train a small MoE on the CPU, recording router loads")
-    rec.add_argument("--data", required=True, help="quick-start data directory (forge-data quickstart --output)")
+    rec.add_argument(
+        "--data", required=True, help="quick-start data directory (forge-data quickstart --output)"
+    )
     rec.add_argument("--output", required=True)
     for flag, default in (("steps", 40), ("experts", 64), ("top-k", 4), ("layers", 2), ("batch-size", 8),
                           ("seq-length", 128), ("seed", 0)):  # fmt: skip
@@ -179,7 +190,7 @@ def _parser() -> argparse.ArgumentParser:
     rec.set_defaults(run=record)
     syn = sub.add_parser("synthetic", help="write a synthetic skewed trace")
     syn.add_argument("--output", required=True)
-    for flag, default in (("steps", 200), ("experts", 256), ("top-k", 8), ("layers", 2), ("tokens", 16384),
+    for flag, default in (("steps", 200), ("experts", 256), ("top-k", 8), ("layers", 2), ("tokens", 4194304),
                           ("hidden-size", 7168), ("intermediate-size", 2048), ("seed", 0)):  # fmt: skip
         syn.add_argument(f"--{flag}", type=int, default=default)
     syn.add_argument("--zipf", type=float, default=1.1)
@@ -191,10 +202,14 @@ def _parser() -> argparse.ArgumentParser:
     sim.add_argument("--ranks-per-node", type=int, default=8)
     sim.add_argument("--spare-slots", type=int, default=1)
     sim.add_argument("--cross-node-cost", type=float, default=4.0)
-    sim.add_argument("--sync-tokens", type=float, default=None, help="default: 3 x the trace's intermediate_size")
+    sim.add_argument(
+        "--sync-tokens", type=float, default=None, help="default: 3 x the trace's intermediate_size"
+    )
     sim.add_argument("--window", type=int, default=10)
     sim.add_argument("--replan-every", type=int, default=10)
-    sim.add_argument("--output", default=None, help="results JSON (e.g. benchmarks/results/moe_placement.json)")
+    sim.add_argument(
+        "--output", default=None, help="results JSON (e.g. benchmarks/results/moe_placement.json)"
+    )
     sim.set_defaults(run=simulate)
     return parser
 

@@ -88,7 +88,9 @@ def test_moved_bytes_count_new_replicas_only():
 def test_planning_time_is_bounded_at_ep64():
     loads = _zipf_loads(256, 0)
     start = time.perf_counter()
-    placement = plan_replicas(loads, ep_size=64, ranks_per_node=8, slots_per_rank=5, replica_sync_tokens=100.0)
+    placement = plan_replicas(
+        loads, ep_size=64, ranks_per_node=8, slots_per_rank=5, replica_sync_tokens=100.0
+    )
     assert time.perf_counter() - start < 10.0 and placement.planning_s < 10.0
     assert placement.num_replicas > 0
 
@@ -96,9 +98,15 @@ def test_planning_time_is_bounded_at_ep64():
 @pytest.mark.parametrize(
     "kwargs,match",
     [
-        (dict(ep_size=6, ranks_per_node=8, slots_per_rank=3), r"ep_size \(6\) must divide the number of experts"),
+        (
+            dict(ep_size=6, ranks_per_node=8, slots_per_rank=3),
+            r"ep_size \(6\) must divide the number of experts",
+        ),
         (dict(ep_size=16, ranks_per_node=6, slots_per_rank=3), r"must be a multiple of ranks_per_node \(6\)"),
-        (dict(ep_size=8, ranks_per_node=8, slots_per_rank=1), r"slots_per_rank \(1\) must hold each rank's 2"),
+        (
+            dict(ep_size=8, ranks_per_node=8, slots_per_rank=1),
+            r"slots_per_rank \(1\) must hold each rank's 2",
+        ),
     ],
 )
 def test_bad_layouts_are_refused(kwargs, match):

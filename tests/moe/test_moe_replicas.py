@@ -8,12 +8,14 @@ import pytest
 import torch
 
 from forge_lightning.distributed.expert_placement import Placement, plan_replicas
-from forge_lightning.distributed.expert_replicas import ReplicatedExperts, split_by_index
 from forge_lightning.modules.layers.moe import MoEBlock, TopKRouter
+from forge_lightning.modules.layers.moe_replicas import ReplicatedExperts, split_by_index
 
 
 def _placement(holders, shares, ep_size=4, slots_per_rank=3):
-    return Placement(ep_size=ep_size, ranks_per_node=2, slots_per_rank=slots_per_rank, holders=holders, shares=shares)
+    return Placement(
+        ep_size=ep_size, ranks_per_node=2, slots_per_rank=slots_per_rank, holders=holders, shares=shares
+    )
 
 
 def test_split_by_index_gives_each_holder_its_share_in_token_order():
@@ -60,7 +62,9 @@ def test_training_with_replicas_equals_training_without():
             torch.testing.assert_close(param, ref[name], rtol=1e-5, atol=1e-6)
     experts = block.experts
     used = torch.nonzero(experts.slot_expert >= 0).flatten()
-    torch.testing.assert_close(experts.spare_gate_up_proj[used], experts.gate_up_proj[experts.slot_expert[used]])
+    torch.testing.assert_close(
+        experts.spare_gate_up_proj[used], experts.gate_up_proj[experts.slot_expert[used]]
+    )
     assert torch.count_nonzero(experts.spare_down_proj[experts.slot_expert < 0]) == 0
 
 

@@ -65,7 +65,9 @@ class ReplicatedExperts(nn.Module):
         self.gate_up_proj, self.down_proj = experts.gate_up_proj, experts.down_proj
         self.spare_per_rank = placement.slots_per_rank - self.num_experts // placement.ep_size
         num_spare = self.spare_per_rank * placement.ep_size
-        self.spare_gate_up_proj = nn.Parameter(self.gate_up_proj.new_zeros(num_spare, *self.gate_up_proj.shape[1:]))
+        self.spare_gate_up_proj = nn.Parameter(
+            self.gate_up_proj.new_zeros(num_spare, *self.gate_up_proj.shape[1:])
+        )
         self.spare_down_proj = nn.Parameter(self.down_proj.new_zeros(num_spare, *self.down_proj.shape[1:]))
         self.register_buffer("slot_expert", torch.full((num_spare,), -1, dtype=torch.long), persistent=False)
         self.placement: Placement | None = None
@@ -74,7 +76,9 @@ class ReplicatedExperts(nn.Module):
     def _layout(self, placement: Placement) -> tuple[Tensor, Tensor, Tensor]:
         """``(slot_expert [S], holders [E, H], bounds [E, H + 1])``: slots ``E + s`` are the spare ones."""
         if placement.num_experts != self.num_experts:
-            raise ValueError(f"placement has {placement.num_experts} experts; the layer has {self.num_experts}")
+            raise ValueError(
+                f"placement has {placement.num_experts} experts; the layer has {self.num_experts}"
+            )
         slot_expert = torch.full_like(self.slot_expert, -1)
         used = [0] * placement.ep_size
         width = max(len(h) for h in placement.holders)
@@ -112,7 +116,10 @@ class ReplicatedExperts(nn.Module):
             for spare, primary in pairs:
                 tensors = [(spare, primary)]
                 if optimizer is not None:
-                    spare_state, primary_state = optimizer.state.get(spare, {}), optimizer.state.get(primary, {})
+                    spare_state, primary_state = (
+                        optimizer.state.get(spare, {}),
+                        optimizer.state.get(primary, {}),
+                    )
                     tensors += [
                         (spare_state[k], primary_state[k])
                         for k in spare_state
@@ -131,7 +138,10 @@ class ReplicatedExperts(nn.Module):
         expert's holders), so each steps as the primary would without replicas."""
         used = torch.nonzero(self.slot_expert >= 0).flatten()
         experts = self.slot_expert[used]
-        for spare, primary in ((self.spare_gate_up_proj, self.gate_up_proj), (self.spare_down_proj, self.down_proj)):
+        for spare, primary in (
+            (self.spare_gate_up_proj, self.gate_up_proj),
+            (self.spare_down_proj, self.down_proj),
+        ):
             if spare.grad is None or primary.grad is None:
                 continue
             primary.grad.index_add_(0, experts, spare.grad[used])
