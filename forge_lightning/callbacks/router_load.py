@@ -62,7 +62,11 @@ class RouterLoadRecorder(Callback):
     ) -> None:
         stats = [block.stats for block in self.blocks(pl_module)]
         if any(s is None for s in stats):
-            return
+            raise ValueError(
+                "RouterLoadRecorder: the model's MoE blocks ran no forward in this step; it reads the native "
+                "MoEBlock routers, so it cannot record a run whose MoE layers run elsewhere (MegatronStrategy "
+                "trains the megatron-core twin: drop the recorder there)"
+            )
         load_LE = torch.stack([s.tokens_per_expert.detach().float() for s in stats])
         self._pending = load_LE if self._pending is None else self._pending + load_LE
         if trainer.global_step > self._step:  # this micro-batch closed an optimizer step

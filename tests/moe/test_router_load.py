@@ -62,6 +62,13 @@ def test_recorder_refuses_a_model_without_experts():
         RouterLoadRecorder().on_train_start(trainer, module)
 
 
+def test_recorder_refuses_blocks_that_ran_no_forward():
+    module = CausalLM(config="debug-moe", optimizer={"lr": 1e-3}, performance={"compile": False})
+    trainer = pl.Trainer(accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False)
+    with pytest.raises(ValueError, match="MoE blocks ran no forward"):
+        RouterLoadRecorder().on_train_batch_end(trainer, module, None, None, 0)
+
+
 def test_replay_orders_the_methods_on_a_skewed_trace():
     loads = synthetic_trace(steps=14, layers=1, experts=32, assignments_per_step=4096, zipf=1.2, drift=0.05)
     results = replay(loads, Layout(ep_size=8, replica_sync_tokens=10.0), window=4, replan_every=5)
