@@ -96,3 +96,21 @@ def test_a_file_that_is_not_a_trace_is_refused(tmp_path):
     np.savez(tmp_path / "x.npz", other=np.ones(2))
     with pytest.raises(ValueError, match="is not a router-load trace: it lacks loads, meta, steps"):
         load_trace(tmp_path / "x.npz")
+
+
+def test_record_command_trains_a_small_moe_on_quickstart_data(tmp_path):
+    from forge_lightning.tools.data import build_quickstart
+
+    build_quickstart(tmp_path / "qs", vocab_size=300, max_bytes=200_000, workers=1)
+    out = tmp_path / "rec.npz"
+    moe_placement(["record", "--data", str(tmp_path / "qs"), "--output", str(out), "--steps", "3",
+                   "--experts", "16", "--top-k", "2", "--batch-size", "2", "--seq-length", "32"])  # fmt: skip
+    loads, steps, meta = load_trace(out)
+    assert loads.shape == (3, 2, 16) and steps.tolist() == [1, 2, 3]
+    assert (loads.sum(axis=-1) == 2 * 32 * 2).all()  # batch x sequence x top-2, every layer and step
+    assert meta["description"].startswith("recorded: debug-moe LLM preset with 2 layers, 16 experts, top-2")
+
+
+def test_record_command_names_the_missing_data(tmp_path):
+    with pytest.raises(SystemExit, match="run `forge-data quickstart --output"):
+        moe_placement(["record", "--data", str(tmp_path / "none"), "--output", str(tmp_path / "r.npz")])
