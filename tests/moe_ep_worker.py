@@ -103,7 +103,7 @@ def main() -> None:
                 )
         results[f"ep{ep_size}_skewed"] = _case(ep_size, groups, overlap=True, shared=True, skew=True)
     try:
-        ExpertParallel(dist.group.WORLD).local_experts(world + 1)
+        ExpertParallel(dist.group.WORLD).local_experts(world + 1)  # 5 experts over 4 ranks
     except ValueError as err:
         results["error"] = str(err)
     with open(f"{out}/rank{rank}.json", "w") as f:
