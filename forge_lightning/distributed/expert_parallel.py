@@ -43,10 +43,15 @@ class ExpertParallel:
             ``[r * E / ep, (r + 1) * E / ep)``).
         overlap: split each micro-batch's tokens into two halves and overlap one half's dispatch / combine with the
             other half's expert compute and with the shared experts (asynchronous all-to-alls).
+        mesh: the group as a one-dimensional ``DeviceMesh``, or ``None``. With it the held stacks are DTensors
+            sharded on their expert dimension (their global shape is the full stack's), so state dicts and
+            distributed checkpoints see every expert once, under its usual name; without it they are plain
+            tensors of this rank's experts.
     """
 
     group: Any
     overlap: bool = True
+    mesh: Any = None
 
     @property
     def size(self) -> int:
@@ -71,6 +76,22 @@ class ExpertParallel:
             )
         per = num_experts // self.size
         return range(self.rank * per, (self.rank + 1) * per)
+
+    def shard(self, full: Tensor) -> Tensor:
+        """This rank's experts of a full stack ``[E, ...]``: a copy of its rows, as a DTensor with ``mesh``."""
+        local = self.local_experts(full.shape[0])
+        part = full[local.start : local.stop].detach().clone()
+        if self.mesh is None:
+            return part
+        from torch.distributed.tensor import DTensor, Shard
+
+        return DTensor.from_local(part, self.mesh, [Shard(0)], run_check=False)
+
+    @staticmethod
+    def local(held: Tensor) -> Tensor:
+        """The local rows of a stack :meth:`shard` made (differentiable)."""
+        to_local = getattr(held, "to_local", None)
+        return held if to_local is None else to_local()
 
 
 @dataclass

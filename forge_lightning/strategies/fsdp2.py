@@ -267,8 +267,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             ``forge_lightning.distributed.expert_parallel``). The groups are consecutive ranks of the shard
             dimension (it must divide ``data_parallel_size / data_parallel_replicate_size``); the experts are
             FSDP-sharded over the rest of it, every other parameter over all of it. The plan must declare expert
-            stacks (``Component.experts``). Not with TP or CP; checkpoints, gradient clipping and the compressed
-            collectives are refused with it for now.
+            stacks (``Component.experts``); the held stacks are DTensors on the ``ep`` mesh, so checkpoints and
+            exports hold every expert once. Not with TP, CP, gradient clipping or the compressed collectives.
         expert_parallel_overlap: overlap each half of a micro-batch's token dispatch / combine with the other half's
             expert compute and with the shared experts (asynchronous all-to-alls); ``False``: one synchronous
             exchange each way.
@@ -547,7 +547,8 @@ class FSDP2Strategy(ModelParallelStrategy):
             module.enable_context_parallel(self.context_parallel_groups())
             rank_zero_info(f"context parallelism: {self.context_parallel[1]} over {mesh['cp'].size()} ranks")
         if self._ep_mesh is not None:
-            ep = ExpertParallel(self._ep_mesh["ep"].get_group(), overlap=self.expert_parallel[1])
+            ep_mesh = self._ep_mesh["ep"]
+            ep = ExpertParallel(ep_mesh.get_group(), overlap=self.expert_parallel[1], mesh=ep_mesh)
             skip = [c.name for c in unsharded + replicated]
             self._expert_stacks = ep_par.apply_expert_parallel(plan, ep, skip)
         perf = module.performance if isinstance(module, TunedModule) else PerformanceConfig()
@@ -666,7 +667,6 @@ class FSDP2Strategy(ModelParallelStrategy):
     ) -> None:
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__} writes its own checkpoints and takes no storage_options")
-        self._refuse_expert_parallel_state("checkpoints")
         path = Path(self.broadcast(str(filepath)))
         if self._async is not None:
             self._async.save(checkpoint, path, self.barrier, is_global_zero=self.is_global_zero)
@@ -724,7 +724,6 @@ class FSDP2Strategy(ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        self._refuse_expert_parallel_state("checkpoints")
         if self._async is not None:
             self._async.wait(self.barrier, is_global_zero=self.is_global_zero)
         path = Path(self.broadcast(str(checkpoint_path)))
@@ -743,14 +742,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         if self._comm is not None and self._comm.all_gather is not None:
             self._comm.all_gather.request_resync()
 
-    def _refuse_expert_parallel_state(self, what: str) -> None:
-        if self._ep_mesh is not None:
-            raise NotImplementedError(
-                f"{type(self).__name__}: {what} are not supported with expert_parallel_size="
-                f"{self.expert_parallel[0]} yet: each expert-parallel rank holds different experts under the same "
-                "parameter names; train with trainer.enable_checkpointing: false, or without expert parallelism"
-            )
-
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         pass  # loaded in load_checkpoint
@@ -761,7 +752,6 @@ class FSDP2Strategy(ModelParallelStrategy):
         Parameters are gathered one at a time and moved to host memory, so no rank ever holds the whole model on
         its accelerator. Collective: call it on every rank.
         """
-        self._refuse_expert_parallel_state("full state dicts (save_pretrained / export)")
         assert self.model is not None
         return full_model_state_dict(self.model, module)
 

@@ -275,18 +275,19 @@ class Experts(nn.Module):
         Raises:
             ValueError: ``num_experts`` not divisible by the group size.
         """
-        local = ep.local_experts(self.num_experts)
-        with torch.no_grad():
-            for name in ("gate_up_proj", "down_proj"):
-                full = getattr(self, name)
-                part = nn.Parameter(full[local.start : local.stop].clone(), requires_grad=full.requires_grad)
-                setattr(self, name, part)
+        ep.local_experts(self.num_experts)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(ep.shard(full), requires_grad=full.requires_grad))
         self.expert_parallel = ep
 
     def _swiglu(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
         """The held experts on rows grouped by expert (``counts_E`` rows each, in order)."""
-        gate_NI, up_NI = grouped_linear(x_ND, self.gate_up_proj, counts_E).chunk(2, dim=-1)
-        return grouped_linear(F.silu(gate_NI) * up_NI, self.down_proj, counts_E)
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.expert_parallel is not None:
+            gate_up, down = self.expert_parallel.local(gate_up), self.expert_parallel.local(down)
+        gate_NI, up_NI = grouped_linear(x_ND, gate_up, counts_E).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate_NI) * up_NI, down, counts_E)
 
     def forward(
         self,
