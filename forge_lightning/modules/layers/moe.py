@@ -12,6 +12,10 @@ Parameter names and layouts are those of transformers 5 (``gate.weight``, ``expe
 loads one to one; Hugging Face files store the experts one by one, which ``forge_lightning.modules.llm.hf``
 converts.
 
+Under expert parallelism (:meth:`Experts.enable_expert_parallel`, applied by a strategy from the plan's
+``Component.experts``) each rank holds ``E / ep`` of the experts and the tokens travel to them and back by
+all-to-all (:mod:`forge_lightning.distributed.expert_parallel`), the shared experts computed meanwhile.
+
 Each block keeps what its router did in its last forward (:attr:`MoEBlock.stats`): the per-expert token counts for
 logging and the differentiable statistics of the load-balancing loss and the router z-loss, which
 :func:`router_losses` combines over all MoE layers of a model.
