@@ -52,7 +52,14 @@ from forge_lightning.contracts.module import (
     deferred_pretrained,
     pretrained_deferred,
 )
-from forge_lightning.contracts.plan import Component, Composition, ParallelPlan, common_divisors, take_samples
+from forge_lightning.contracts.plan import (
+    Component,
+    Composition,
+    ExpertStack,
+    ParallelPlan,
+    common_divisors,
+    take_samples,
+)
 from forge_lightning.contracts.strategy import (
     DataParallelLayout,
     GradientGate,
@@ -80,6 +87,7 @@ __all__ = [
     "STEP_TOKENS",
     "Component",
     "Composition",
+    "ExpertStack",
     "ContextParallelModule",
     "DataParallelLayout",
     "DistributedDevices",

@@ -13,8 +13,28 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from forge_lightning.distributed.expert_parallel import ExpertParallel
+
+
+@runtime_checkable
+class ExpertStack(Protocol):
+    """The routed experts of one MoE layer, which a strategy may spread over expert-parallel ranks.
+
+    ``enable_expert_parallel(ep)`` keeps the module's share of the ``num_experts`` experts (its parameters become
+    that slice of the full stacks: call it after they are initialised) and from then on exchanges tokens with the
+    other ranks of ``ep`` in every forward
+    (:class:`~forge_lightning.distributed.expert_parallel.ExpertParallel`). Every parameter of the module is
+    expert-sharded, so a strategy wraps it as its own FSDP unit on the expert data-parallel mesh.
+    """
+
+    num_experts: int
+
+    def enable_expert_parallel(self, ep: ExpertParallel) -> None: ...
 
 
 @dataclass(kw_only=True)
@@ -35,6 +55,8 @@ class Component:
             run's ``performance.activation_checkpointing``; ``None``: the run's.
         compile: whether to ``torch.compile`` this component's blocks in place of the run's
             ``performance.compile``; ``None``: the run's.
+        experts: the routed-expert stacks inside the blocks (:class:`ExpertStack`), one per MoE layer, for expert
+            parallelism; empty for a dense component.
     """
 
     name: str
@@ -45,6 +67,15 @@ class Component:
     frozen: bool = False
     activation_checkpointing: str | None = None
     compile: bool | None = None
+    experts: list[nn.Module] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        bad = [type(m).__name__ for m in self.experts if not isinstance(m, ExpertStack)]
+        if bad:
+            raise ValueError(
+                f"component {self.name!r}: experts must implement ExpertStack (num_experts, "
+                f"enable_expert_parallel(ep)); got {bad}"
+            )
 
 
 def take_samples(batch: dict[str, Tensor], rows: Tensor) -> dict[str, Tensor]:

@@ -47,6 +47,7 @@ from forge_lightning.contracts import (
     process_group_backend,
 )
 from forge_lightning.distributed.context_parallel import ContextParallel
+from forge_lightning.distributed.expert_parallel import ExpertParallel
 from forge_lightning.performance import (
     PerformanceConfig,
     apply_performance,
@@ -54,6 +55,7 @@ from forge_lightning.performance import (
     mark_applied,
     module_switches,
 )
+from forge_lightning.strategies import expert_parallel as ep_par
 from forge_lightning.strategies import parallelize as par
 from forge_lightning.strategies.comm import FSDPCommHandles, apply_fsdp_comm_options, check_fsdp_comm_options
 from forge_lightning.strategies.distributed_checkpoint import (
@@ -108,6 +110,8 @@ class FSDPDims:
         sequence_parallel: not supported yet (refused); see FSDP2Strategy.
         reshard_after_forward: ``True`` / ``False``, or the ranks each block is resharded to after forward (must
             divide the shard size, ``data_parallel_size / data_parallel_replicate_size``).
+        expert_parallel_size: ranks of each expert-parallel group, carved out of the shard dimension (must divide
+            the shard size; no tensor or context parallelism with it).
     """
 
     data_parallel_size: int | str = "auto"
@@ -118,6 +122,7 @@ class FSDPDims:
     context_parallel_ulysses_size: int | None = None
     sequence_parallel: bool = False
     reshard_after_forward: bool | int = True
+    expert_parallel_size: int = 1
 
     def validate(self, world_size: int) -> int:
         """Check the degrees against ``world_size``; return the resolved data-parallel size.
@@ -136,8 +141,8 @@ class FSDPDims:
         degrees = (
             f"data_parallel_size={self.data_parallel_size} (resolved {dp}), data_parallel_replicate_size="
             f"{replicate}, context_parallel_size={cp} ({self.context_parallel_type}"
-            f"{'' if ulysses is None else f', ulysses size {ulysses}'}), tensor_parallel_size={tp}, world size="
-            f"{world_size}"
+            f"{'' if ulysses is None else f', ulysses size {ulysses}'}), tensor_parallel_size={tp}, "
+            f"expert_parallel_size={self.expert_parallel_size}, world size={world_size}"
         )
         if min(dp, replicate, tp, cp) < 1:
             raise ValueError(f"every parallel degree must be at least 1: {degrees}")
@@ -149,6 +154,7 @@ class FSDPDims:
         if dp % replicate != 0:
             raise ValueError(f"data_parallel_replicate_size must divide data_parallel_size: {degrees}")
         self._validate_context_parallel(degrees)
+        self._validate_expert_parallel(dp // replicate, degrees)
         if self.sequence_parallel:
             # Attention and the layers the plan keeps replicated (MLA, routed experts) would see only their rank's
             # share of the sequence, and nothing sums those layers' gradients over the tensor-parallel ranks.
@@ -164,6 +170,25 @@ class FSDPDims:
                 f"groups of that many ranks; use one of {common_divisors(shard)}, true or false: {degrees}"
             )
         return dp
+
+    def _validate_expert_parallel(self, shard: int, degrees: str) -> None:
+        ep = self.expert_parallel_size
+        if ep < 1:
+            raise ValueError(f"expert_parallel_size must be at least 1: {degrees}")
+        if ep == 1:
+            return
+        if shard % ep:
+            raise ValueError(
+                f"expert_parallel_size ({ep}) must divide the shard size, data_parallel_size / "
+                f"data_parallel_replicate_size = {shard}: expert-parallel groups are carved out of the ranks that "
+                f"shard the parameters; use one of {common_divisors(shard)}: {degrees}"
+            )
+        if self.tensor_parallel_size > 1 or self.context_parallel_size > 1:
+            raise ValueError(
+                "expert_parallel_size > 1 does not combine with tensor_parallel_size or context_parallel_size > 1 "
+                "in FSDP2Strategy yet (the experts' tokens would be split or repeated across those ranks): set them "
+                f"to 1, or use MegatronStrategy for TP / CP with EP: {degrees}"
+            )
 
     def _validate_context_parallel(self, degrees: str) -> None:
         cp, kind, ulysses = (
@@ -237,6 +262,16 @@ class FSDP2Strategy(ModelParallelStrategy):
         fp8_error_feedback: with ``gradient_reduce: fp8``, add each step's quantization error to the next step's
             gradient (an fp32 buffer the size of each unit's unsharded gradient).
         fp8_block: elements per fp32 scale in the FP8 collectives.
+        expert_parallel_size: ranks over which each MoE layer's routed experts are spread (each holds
+            ``num_experts / expert_parallel_size``; tokens reach them by all-to-all, see
+            ``forge_lightning.distributed.expert_parallel``). The groups are consecutive ranks of the shard
+            dimension (it must divide ``data_parallel_size / data_parallel_replicate_size``); the experts are
+            FSDP-sharded over the rest of it, every other parameter over all of it. The plan must declare expert
+            stacks (``Component.experts``); the held stacks are DTensors on the ``ep`` mesh, so checkpoints and
+            exports hold every expert once. Not with TP, CP, gradient clipping or the compressed collectives.
+        expert_parallel_overlap: overlap each half of a micro-batch's token dispatch / combine with the other half's
+            expert compute and with the shared experts (asynchronous all-to-alls); ``False``: one synchronous
+            exchange each way.
         checkpoint_writers: files each rank writes in parallel when saving a checkpoint.
         async_checkpoint: write checkpoints while training goes on: the step that saves only copies the shards
             to host memory; the save is completed (manifest, rename into place) at the next save or at the end
@@ -274,6 +309,8 @@ class FSDP2Strategy(ModelParallelStrategy):
         gradient_reduce: str = "exact",
         fp8_error_feedback: bool = True,
         fp8_block: int = 256,
+        expert_parallel_size: int = 1,
+        expert_parallel_overlap: bool = True,
         checkpoint_writers: int = CHECKPOINT_WRITERS,
         async_checkpoint: bool = False,
         process_group_backend: str | None = None,
@@ -321,6 +358,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             "delta_keep_unsharded": delta_keep_unsharded,
             "fp8_block": fp8_block,
         }
+        if expert_parallel_size > 1 and (param_all_gather != "exact" or gradient_reduce != "exact"):
+            raise ValueError(
+                f"expert_parallel_size={expert_parallel_size} needs param_all_gather: exact and gradient_reduce: "
+                f"exact (got {param_all_gather!r} / {gradient_reduce!r}): the compressed collectives do not handle "
+                "the expert units' own mesh yet"
+            )
+        self.expert_parallel = (expert_parallel_size, expert_parallel_overlap)
+        self._ep_mesh: Any = None
+        self._expert_stacks: list[nn.Module] = []
         self._comm: FSDPCommHandles | None = None
         self._accumulate = 1
         self._dp_group: Any = None
@@ -342,6 +388,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             context_parallel_ulysses_size=self.context_parallel[2],
             sequence_parallel=self.sequence_parallel,
             reshard_after_forward=self.reshard_after_forward,
+            expert_parallel_size=self.expert_parallel[0],
         )
         dp = dims.validate(self.world_size)
         self._setup_distributed()
@@ -357,9 +404,13 @@ class FSDP2Strategy(ModelParallelStrategy):
         dp_mesh = self._device_mesh["dp_replicate", "dp_shard"]._flatten("dp")
         self._device_mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
         self._dp_group = None if tp * cp == 1 else dp_mesh.get_group()
+        ep = self.expert_parallel[0]
+        if ep > 1:
+            self._ep_mesh = ep_par.expert_mesh(self._device_mesh, ep)
         rank_zero_info(
             f"{type(self).__name__}: mesh dp_replicate={self.data_parallel_replicate_size} x dp_shard={shard} x "
             f"cp={cp} ({self.context_parallel[1]}) x tp={tp} over {self.world_size} processes"
+            + (f"; experts: ep_shard={shard // ep} x ep={ep}" if ep > 1 else "")
         )
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh
@@ -397,6 +448,12 @@ class FSDP2Strategy(ModelParallelStrategy):
     def tensor_parallel_size(self) -> int:
         """Number of tensor-parallel ranks."""
         return self._require_mesh("tensor_parallel_size")["tp"].size()
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """Ranks of each expert-parallel group (1: no expert parallelism)."""
+        self._require_mesh("expert_parallel_size")
+        return 1 if self._ep_mesh is None else self._ep_mesh["ep"].size()
 
     @property
     def context_parallel_size(self) -> int:
@@ -437,6 +494,12 @@ class FSDP2Strategy(ModelParallelStrategy):
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self._accumulate = trainer.accumulate_grad_batches
+        if self.expert_parallel[0] > 1 and trainer.gradient_clip_val:
+            raise ValueError(
+                f"gradient_clip_val ({trainer.gradient_clip_val}) is not supported with expert_parallel_size="
+                f"{self.expert_parallel[0]} yet: the gradient norm would miss the experts held by the other "
+                "expert-parallel ranks; set trainer.gradient_clip_val: null"
+            )
         self.parallelize(self.model)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -467,6 +530,7 @@ class FSDP2Strategy(ModelParallelStrategy):
             int(self._tensor_parallel_size),
             skip=[c.name for c in unsharded] + replicated,
         )
+        ep_par.check_expert_parallel(plan, self.expert_parallel[0], [c.name for c in unsharded] + replicated)
 
     def parallelize(self, module: nn.Module) -> None:
         """Apply TP, the module's performance settings and FSDP to ``module`` from its parallel plan."""
@@ -482,6 +546,11 @@ class FSDP2Strategy(ModelParallelStrategy):
             _check_context_parallel(module, mesh["cp"].size())
             module.enable_context_parallel(self.context_parallel_groups())
             rank_zero_info(f"context parallelism: {self.context_parallel[1]} over {mesh['cp'].size()} ranks")
+        if self._ep_mesh is not None:
+            ep_mesh = self._ep_mesh["ep"]
+            ep = ExpertParallel(ep_mesh.get_group(), overlap=self.expert_parallel[1], mesh=ep_mesh)
+            skip = [c.name for c in unsharded + replicated]
+            self._expert_stacks = ep_par.apply_expert_parallel(plan, ep, skip)
         perf = module.performance if isinstance(module, TunedModule) else PerformanceConfig()
         self._fp8_all_gather = perf.fp8 is not None and perf.fp8.fsdp_all_gather
         applied = apply_performance(plan, perf, self.root_device) | {"fp8.fsdp_all_gather"}
@@ -526,6 +595,15 @@ class FSDP2Strategy(ModelParallelStrategy):
             replicate_kwargs = {**kwargs, "mesh": self._replicate_mesh()}
             for comp in replicated:
                 fully_shard(comp.module, reshard_after_forward=False, **replicate_kwargs)
+        if self._expert_stacks:
+            ep_kwargs = {**kwargs, "mesh": ep_par.expert_fsdp_mesh(self._ep_mesh)}
+            ep_par.shard_experts(
+                self._expert_stacks,
+                ep_kwargs,
+                self.data_parallel_size,
+                force_sum=self.root_device.type != "cuda",
+                reshard=self.reshard_after_forward is not False,
+            )
         skip = {c.name for c in unsharded + replicated}
         sharded_blocks: list[nn.Module] = []
         for comp in plan:

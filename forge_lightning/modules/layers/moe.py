@@ -12,6 +12,10 @@ Parameter names and layouts are those of transformers 5 (``gate.weight``, ``expe
 loads one to one; Hugging Face files store the experts one by one, which ``forge_lightning.modules.llm.hf``
 converts.
 
+Under expert parallelism (:meth:`Experts.enable_expert_parallel`, applied by a strategy from the plan's
+``Component.experts``) each rank holds ``E / ep`` of the experts and the tokens travel to them and back by
+all-to-all (:mod:`forge_lightning.distributed.expert_parallel`), the shared experts computed meanwhile.
+
 Each block keeps what its router did in its last forward (:attr:`MoEBlock.stats`): the per-expert token counts for
 logging and the differentiable statistics of the load-balancing loss and the router z-loss, which
 :func:`router_losses` combines over all MoE layers of a model.
@@ -28,6 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from forge_lightning.accelerators.capabilities import capabilities
+from forge_lightning.distributed.expert_parallel import ExpertParallel, expert_parallel_mix
 from forge_lightning.modules.layers.mlp import GatedMLP, init_linear
 
 
@@ -251,6 +256,7 @@ class Experts(nn.Module):
     ) -> None:
         super().__init__()
         self.num_experts, self.init_std = num_experts, init_std
+        self.expert_parallel: ExpertParallel | None = None
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, intermediate_size))
         self.reset_parameters()
@@ -265,27 +271,62 @@ class Experts(nn.Module):
         intermediate = self.down_proj.shape[-1]
         return {"gate_up_proj": (intermediate, intermediate), "down_proj": (self.down_proj.shape[-2],)}
 
-    def forward(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor]:
+    def enable_expert_parallel(self, ep: ExpertParallel) -> None:
+        """Keep only this rank's experts (``E / ep`` consecutive ones) and exchange tokens with the other ranks of
+        ``ep`` in every forward (:mod:`forge_lightning.distributed.expert_parallel`). Call it on every rank of the
+        group, after the weights are initialised (each rank takes its slice of the same full stacks).
+
+        Raises:
+            ValueError: ``num_experts`` not divisible by the group size.
+        """
+        ep.local_experts(self.num_experts)
+        for name in ("gate_up_proj", "down_proj"):
+            full = getattr(self, name)
+            setattr(self, name, nn.Parameter(ep.shard(full), requires_grad=full.requires_grad))
+        self.expert_parallel = ep
+
+    def _swiglu(self, x_ND: Tensor, counts_E: Tensor) -> Tensor:
+        """The held experts on rows grouped by expert (``counts_E`` rows each, in order)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        if self.expert_parallel is not None:
+            gate_up, down = self.expert_parallel.local(gate_up), self.expert_parallel.local(down)
+        gate_NI, up_NI = grouped_linear(x_ND, gate_up, counts_E).chunk(2, dim=-1)
+        return grouped_linear(F.silu(gate_NI) * up_NI, down, counts_E)
+
+    def forward(
+        self,
+        x_TD: Tensor,
+        indices_TK: Tensor,
+        weights_TK: Tensor,
+        shared: Callable[[Tensor], Tensor | None] | None = None,
+    ) -> tuple[Tensor, Tensor]:
         """Mix each token's chosen experts.
 
         Args:
             x_TD: ``[T, D]`` tokens.
             indices_TK: ``[T, K]`` experts of each token.
             weights_TK: ``[T, K]`` weights of their outputs.
+            shared: always-active experts ``shared(x_TD)`` (``None``, or returning ``None``: none), added to the
+                output; under expert parallelism computed while the tokens travel.
 
         Returns:
-            ``sum_k weights[t, k] * expert[indices[t, k]](x[t])`` ``[T, D]`` and the assignments per expert ``[E]``.
+            ``sum_k weights[t, k] * expert[indices[t, k]](x[t])`` (plus ``shared``) ``[T, D]`` and the assignments
+            per expert ``[E]``.
         """
+        if self.expert_parallel is not None:
+            return expert_parallel_mix(
+                x_TD, indices_TK, weights_TK, self.expert_parallel, self.num_experts, self._swiglu, shared
+            )
         T, K = indices_TK.shape
         experts_N = indices_TK.flatten()  # N = T * K assignments, token-major
         order_N = experts_N.argsort(stable=True)
         counts_E = torch.bincount(experts_N, minlength=self.num_experts)
-        x_ND = x_TD[order_N // K]
-        gate_NI, up_NI = grouped_linear(x_ND, self.gate_up_proj, counts_E).chunk(2, dim=-1)
-        y_ND = grouped_linear(F.silu(gate_NI) * up_NI, self.down_proj, counts_E)
+        y_ND = self._swiglu(x_TD[order_N // K], counts_E)
         unsort_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(T * K, device=order_N.device))
         y_TKD = y_ND[unsort_N].view(T, K, -1)  # back to token-major order
-        return (y_TKD * weights_TK[..., None].to(y_TKD.dtype)).sum(dim=1), counts_E
+        out_TD = (y_TKD * weights_TK[..., None].to(y_TKD.dtype)).sum(dim=1)
+        shared_TD = shared(x_TD) if shared is not None else None
+        return (out_TD if shared_TD is None else out_TD + shared_TD), counts_E
 
 
 class MoEBlock(nn.Module):
@@ -328,7 +369,7 @@ class MoEBlock(nn.Module):
     def forward(self, x_BSD: Tensor) -> Tensor:
         x_TD = x_BSD.reshape(-1, x_BSD.shape[-1])
         routing = self.gate(x_TD)
-        out_TD, counts_E = self.experts(x_TD, routing.indices, routing.weights)
+        out_TD, counts_E = self.experts(x_TD, routing.indices, routing.weights, shared=self.shared_output)
         self.stats = RouterStats(
             tokens_per_expert=counts_E.detach().float(),
             prob_sum=routing.probs.sum(dim=0),
@@ -337,9 +378,6 @@ class MoEBlock(nn.Module):
             probs=routing.probs,
             indices=routing.indices,
         )
-        shared_TD = self.shared_output(x_TD)
-        if shared_TD is not None:
-            out_TD = out_TD + shared_TD
         return out_TD.view_as(x_BSD)
 
 

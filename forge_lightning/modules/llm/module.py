@@ -208,13 +208,14 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
 
     def parallel_plan(self) -> ParallelPlan:
         """One component, ``llm``: its decoder layers are the repeated blocks; the model gives its TP plan and the
-        sizes a TP degree must divide."""
+        sizes a TP degree must divide; the MoE layers' routed experts are its expert stacks."""
         component = Component(
             name="llm",
             module=self.model,
             blocks=list(self.model.model.layers),
             tp_plan=self.model.tp_plan(),
             tp_dims=self.model.tp_dims(),
+            experts=[block.experts for block in self.model.moe_blocks()],
         )
         return ParallelPlan(components=[component])
 
