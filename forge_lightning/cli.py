@@ -23,7 +23,7 @@ from lightning.pytorch.plugins.io import CheckpointIO
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from typing_extensions import override
 
-import forge_lightning.accelerators  # noqa: F401  (registers trainer.accelerator: kunlun)
+import forge_lightning.accelerators.kunlun  # noqa: F401  (registers trainer.accelerator: kunlun)
 from forge_lightning.callbacks.config_drift import ConfigDriftCheck, ResumeOptions
 from forge_lightning.callbacks.guard import NonFiniteGuard
 from forge_lightning.callbacks.progress import StepProgressBar

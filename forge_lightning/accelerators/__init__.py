@@ -1,10 +1,15 @@
 """Accelerators and the capability table their devices are described by.
 
-``KunlunAccelerator`` is registered in Lightning's ``AcceleratorRegistry`` as ``kunlun`` when this package is
-imported (the CLI imports it); see docs/kunlun.md.
+The capability table (``capabilities``) is imported by the kernels, the performance settings and the layers, so
+this package imports nothing heavy itself: the Kunlun accelerator and its runtimes load on first use.
+``KunlunAccelerator`` is registered in Lightning's ``AcceleratorRegistry`` as ``kunlun`` when
+``forge_lightning.accelerators.kunlun`` is imported (the ``forge`` CLI does; see docs/kunlun.md).
 """
 
-from lightning.pytorch.accelerators import AcceleratorRegistry
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from forge_lightning.accelerators.capabilities import (
     CPU,
@@ -16,8 +21,23 @@ from forge_lightning.accelerators.capabilities import (
     register_platform,
     unregister_platform,
 )
-from forge_lightning.accelerators.kunlun import KunlunAccelerator
-from forge_lightning.accelerators.runtime import KunlunRuntime, MemoryStats, SimulatedRuntime, XmlirRuntime
+
+_EXPORTS = {
+    "KunlunAccelerator": "kunlun",
+    "KunlunRuntime": "runtime",
+    "MemoryStats": "runtime",
+    "SimulatedRuntime": "runtime",
+    "XmlirRuntime": "runtime",
+}
+
+if TYPE_CHECKING:
+    from forge_lightning.accelerators.kunlun import KunlunAccelerator
+    from forge_lightning.accelerators.runtime import (
+        KunlunRuntime,
+        MemoryStats,
+        SimulatedRuntime,
+        XmlirRuntime,
+    )
 
 __all__ = [
     "CPU",
@@ -35,5 +55,8 @@ __all__ = [
     "unregister_platform",
 ]
 
-if KunlunAccelerator.name() not in AcceleratorRegistry:
-    KunlunAccelerator.register_accelerators(AcceleratorRegistry)
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)

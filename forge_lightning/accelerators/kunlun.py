@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.accelerators.registry import _AcceleratorRegistry
 from lightning.fabric.utilities.types import _DEVICE
-from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.accelerators import Accelerator, AcceleratorRegistry
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
@@ -279,3 +279,7 @@ def _int(text: str, devices: str) -> int:
         raise ValueError(
             f"devices ({devices!r}) must be a count, -1, 'auto' or comma-separated indices"
         ) from None
+
+
+if KunlunAccelerator.name() not in AcceleratorRegistry:
+    KunlunAccelerator.register_accelerators(AcceleratorRegistry)
