@@ -1,0 +1,124 @@
+"""megatron-core's MoE communication overlap options under MegatronStrategy: every precondition refused up front
+with the option and the fix, and ``moe_shared_expert_overlap`` (the one that runs here: the CPU shim's CUDA streams
+are no-ops, so megatron's overlapped code path runs in order) gives the same losses and gradients as without it at
+EP = 2 on two gloo processes (``moe_overlap_worker.py``)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import torchrun
+from moe_reference import moe_config
+
+from forge_lightning.contracts import MegatronBuild, MegatronDims, MoECommOverlap
+from forge_lightning.modules.llm.config import LLMConfig
+from forge_lightning.modules.llm.megatron.twin import check_moe_overlap
+from forge_lightning.strategies.megatron import MegatronStrategy
+
+HERE = Path(__file__).resolve().parent
+GRAD_RTOL = 1e-5  # max |overlapped - plain| per gradient tensor / its max |plain| (measured <= 6.1e-7)
+EP2 = MegatronDims(expert_model_parallel_size=2)
+CUDA = torch.device("cuda")
+
+OVERLAP = MoECommOverlap(overlap_moe_expert_parallel_comm=True)
+
+
+@pytest.mark.parametrize(
+    ("overlap", "dims", "run", "match"),
+    [
+        (
+            MoECommOverlap(delay_wgrad_compute=True),
+            EP2,
+            {},
+            "delay_wgrad_compute needs overlap_moe_expert_parallel",
+        ),
+        (OVERLAP, MegatronDims(), {}, "needs expert_model_parallel_size > 1"),
+        (
+            OVERLAP,
+            MegatronDims(expert_model_parallel_size=2, pipeline_model_parallel_size=2),
+            {},
+            "set virtual_pipeline_model_parallel_size",
+        ),
+        (
+            MoECommOverlap(overlap_moe_expert_parallel_comm=True, moe_shared_expert_overlap=True),
+            EP2,
+            {},
+            "exclude each other",
+        ),
+        (OVERLAP, EP2, {"bf16": False, "device": CUDA}, "set trainer.precision to bf16-mixed"),
+        (OVERLAP, EP2, {"bf16": True, "recompute": "full", "device": CUDA}, "activation_checkpointing"),
+        (OVERLAP, EP2, {"bf16": True, "device": torch.device("cpu")}, "need a CUDA device"),
+        (
+            MoECommOverlap(moe_shared_expert_overlap=True),
+            MegatronDims(),
+            {"device": torch.device("cpu")},
+            "moe_shared_expert_overlap need a CUDA device",
+        ),
+    ],
+)
+def test_overlap_preconditions_are_refused_up_front(overlap, dims, run, match):
+    with pytest.raises(ValueError, match=match):
+        overlap.check(dims, **run)
+
+
+def test_overlap_options_that_meet_their_preconditions_pass():
+    interleaved = MegatronDims(
+        expert_model_parallel_size=2, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2
+    )
+    both = MoECommOverlap(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    both.check(interleaved, device=CUDA, bf16=True, recompute="none")
+    MoECommOverlap(moe_shared_expert_overlap=True).check(MegatronDims(), device=CUDA, bf16=False)
+    MoECommOverlap().check(MegatronDims(), device=torch.device("cpu"), bf16=False, recompute="full")
+
+
+def test_strategy_takes_megatron_cores_option_names():
+    strategy = MegatronStrategy(
+        expert_model_parallel_size=2, overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True
+    )
+    assert strategy.moe_overlap.transformer_config_fields() == {
+        "overlap_moe_expert_parallel_comm": True,
+        "delay_wgrad_compute": True,
+        "moe_shared_expert_overlap": False,
+    }
+
+
+def _build(overlap: MoECommOverlap, **kwargs) -> MegatronBuild:
+    return MegatronBuild(
+        dims=EP2, device=CUDA, bf16=True, use_transformer_engine=False, moe_overlap=overlap, **kwargs
+    )
+
+
+def test_the_twin_refuses_what_its_model_cannot_overlap():
+    dense = LLMConfig.from_preset("debug")
+    with pytest.raises(ValueError, match="this model has none"):
+        check_moe_overlap(dense, _build(OVERLAP))
+    no_shared = moe_config("qwen3_moe")
+    with pytest.raises(ValueError, match="no shared experts"):
+        check_moe_overlap(no_shared, _build(MoECommOverlap(moe_shared_expert_overlap=True)))
+    delayed = MoECommOverlap(overlap_moe_expert_parallel_comm=True, delay_wgrad_compute=True)
+    with pytest.raises(ValueError, match="delay_wgrad_compute needs TransformerEngine"):
+        check_moe_overlap(no_shared, _build(delayed))
+    with pytest.raises(ValueError, match="composed model"):
+        check_moe_overlap(no_shared, _build(OVERLAP, composition=object()))
+    check_moe_overlap(no_shared, _build(OVERLAP))
+    check_moe_overlap(moe_config("qwen2_moe"), _build(MoECommOverlap(moe_shared_expert_overlap=True)))
+
+
+def test_shared_expert_overlap_gives_the_same_losses_and_gradients_at_ep2(tmp_path):
+    names = [
+        "qwen2_moe",
+        "deepseek_v3",
+    ]  # a gated shared expert; an ungated one beside MLA and sigmoid routing
+    torchrun(HERE / "moe_overlap_worker.py", tmp_path / "runs.pt", *names)
+    runs = torch.load(tmp_path / "runs.pt")
+    for name in names:
+        plain, overlapped = runs[name, False], runs[name, True]
+        assert overlapped["overlaps"] == [True] and plain["overlaps"] == [False], name
+        torch.testing.assert_close(overlapped["sums"], plain["sums"], rtol=1e-7, atol=1e-6)
+        assert sorted(overlapped["grads"]) == sorted(plain["grads"])
+        rel = {
+            k: ((g - plain["grads"][k]).abs().max() / plain["grads"][k].abs().max()).item()
+            for k, g in overlapped["grads"].items()
+        }
+        worst = max(rel, key=rel.get)
+        assert rel[worst] <= GRAD_RTOL, (name, worst, rel[worst])
