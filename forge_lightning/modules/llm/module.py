@@ -311,11 +311,14 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        hidden_BSH = self._hidden_states(batch)
-        loss_sum, tokens = self._loss_sum(hidden_BSH, batch)
-        loss = self.objective.training_loss(self, batch, loss_sum, tokens)
-        if self.mtp_loss_weight:
+        if self.mtp_loss_weight:  # the main loss from the hidden states the MTP modules start from
+            hidden_BSH = self._hidden_states(batch)
+            loss_sum, tokens = self._loss_sum(hidden_BSH, batch)
+            loss = self.objective.training_loss(self, batch, loss_sum, tokens)
             loss = loss + self._mtp_loss(hidden_BSH, batch, tokens).to(loss.dtype)
+        else:
+            loss_sum, tokens = self.loss_sum(batch)
+            loss = self.objective.training_loss(self, batch, loss_sum, tokens)
         router_loss = self._moe_aux_losses()
         return loss if router_loss is None else loss + router_loss.to(loss.dtype)
 
