@@ -1,7 +1,8 @@
 """megatron-core's MoE communication overlap options under MegatronStrategy: every precondition refused up front
-with the option and the fix, and ``moe_shared_expert_overlap`` (the one that runs here: the CPU shim's CUDA streams
-are no-ops, so megatron's overlapped code path runs in order) gives the same losses and gradients as without it at
-EP = 2 on two gloo processes (``moe_overlap_worker.py``)."""
+with the option and the fix, and ``moe_shared_expert_overlap`` and ``overlap_moe_expert_parallel_comm`` give the
+same losses and gradients as without them at EP = 2 on two gloo processes (``moe_overlap_worker.py``; the CPU
+shim's CUDA streams are no-ops, so megatron's overlapped code paths run their parts in order: this checks their
+arithmetic and the twin's schedule plan, not their speed)."""
 
 from pathlib import Path
 
@@ -104,21 +105,35 @@ def test_the_twin_refuses_what_its_model_cannot_overlap():
     check_moe_overlap(moe_config("qwen2_moe"), _build(MoECommOverlap(moe_shared_expert_overlap=True)))
 
 
-def test_shared_expert_overlap_gives_the_same_losses_and_gradients_at_ep2(tmp_path):
-    names = [
-        "qwen2_moe",
-        "deepseek_v3",
-    ]  # a gated shared expert; an ungated one beside MLA and sigmoid routing
-    torchrun(HERE / "moe_overlap_worker.py", tmp_path / "runs.pt", *names)
-    runs = torch.load(tmp_path / "runs.pt")
-    for name in names:
-        plain, overlapped = runs[name, False], runs[name, True]
-        assert overlapped["overlaps"] == [True] and plain["overlaps"] == [False], name
+@pytest.mark.parametrize("kind", ["moe_shared_expert_overlap", "overlap_moe_expert_parallel_comm"])
+def test_overlap_gives_the_same_losses_and_gradients_at_ep2(overlap_runs, kind):
+    """At EP = 2 on two gloo processes, two micro-batches per rank: ``moe_shared_expert_overlap`` (fp32) and
+    ``overlap_moe_expert_parallel_comm`` (bf16: megatron's combined 1F1B schedule, the forward step handing it the
+    twin's schedule plan) give the losses and gradients of the same twin without them."""
+    for name in NAMES:
+        plain, overlapped = overlap_runs[name, kind, False], overlap_runs[name, kind, True]
+        if kind == "moe_shared_expert_overlap":
+            assert overlapped["shared_overlap"] == [True] and plain["shared_overlap"] == [False], name
+        else:
+            assert overlapped["expert_overlap"] and not plain["expert_overlap"], name
         torch.testing.assert_close(overlapped["sums"], plain["sums"], rtol=1e-7, atol=1e-6)
         assert sorted(overlapped["grads"]) == sorted(plain["grads"])
         rel = {
-            k: ((g - plain["grads"][k]).abs().max() / plain["grads"][k].abs().max()).item()
+            k: (
+                (g.float() - plain["grads"][k].float()).abs().max() / plain["grads"][k].float().abs().max()
+            ).item()
             for k, g in overlapped["grads"].items()
         }
         worst = max(rel, key=rel.get)
         assert rel[worst] <= GRAD_RTOL, (name, worst, rel[worst])
+
+
+NAMES = ["qwen2_moe", "deepseek_v3"]  # a gated shared expert; an ungated one beside MLA and sigmoid routing
+
+
+@pytest.fixture(scope="module")
+def overlap_runs(tmp_path_factory):
+    """One launch of ``moe_overlap_worker.py`` for both options and both models."""
+    out = tmp_path_factory.mktemp("moe_overlap") / "runs.pt"
+    torchrun(HERE / "moe_overlap_worker.py", out, *NAMES)
+    return torch.load(out)
