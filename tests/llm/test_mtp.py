@@ -280,6 +280,8 @@ def test_mtp_settings_are_checked():
         CausalLM(config="debug-deepseek", num_nextn_predict_layers=1)
     with pytest.raises(ValueError, match=r"num_nextn_predict_layers \(-1\) must be 0"):
         _config(-1)
+    with pytest.raises(ValueError, match="needs each sequence's hidden states whole"):
+        _model(_config()).mtp_hidden_states(torch.zeros(1, 4, 64), torch.zeros(1, 8, dtype=torch.long))
     with pytest.raises(ValueError, match="too short"):
         _model(_config()).mtp_hidden_states(torch.zeros(1, 2, 64), torch.zeros(1, 2, dtype=torch.long))
     with pytest.raises(NotImplementedError, match="not yet supported by the megatron twin"):

@@ -481,6 +481,12 @@ class DecoderLM(nn.Module):
                 leaves out positions whose token ``k`` ahead is in another document, see ``llm/mtp.py``).
         """
         S = input_ids.shape[1]
+        if hidden_BSD.shape[:2] != input_ids.shape:
+            raise ValueError(
+                f"hidden states of shape {list(hidden_BSD.shape)} for input_ids of shape {list(input_ids.shape)}: "
+                "multi-token prediction needs each sequence's hidden states whole (not a sequence-parallel or "
+                "context-parallel share); train it without sequence_parallel / context parallelism"
+            )
         if len(self.mtp) >= S:
             raise ValueError(
                 f"sequences of {S} tokens are too short for {len(self.mtp)} multi-token prediction depths "
