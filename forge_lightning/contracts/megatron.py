@@ -274,8 +274,9 @@ class MoECommOverlap:
         if device is not None and self.enabled and device.type != "cuda":
             on = [name for name, value in dataclasses.asdict(self).items() if value]
             raise ValueError(
-                f"{', '.join(on)} need a CUDA device (megatron-core runs the overlapped work on CUDA streams), the "
-                f"run's is {device.type!r}: set them to false on this machine"
+                f"{' and '.join(on)} {'needs' if len(on) == 1 else 'need'} a CUDA device (megatron-core runs the "
+                f"overlapped work on CUDA streams), the run's is {device.type!r}: set "
+                f"{'it' if len(on) == 1 else 'them'} to false on this machine"
             )
 
     def _check_expert_overlap(self, dims: MegatronDims, *, bf16: bool | None, recompute: str | None) -> None:

@@ -48,12 +48,12 @@ OVERLAP = MoECommOverlap(overlap_moe_expert_parallel_comm=True)
         ),
         (OVERLAP, EP2, {"bf16": False, "device": CUDA}, "set trainer.precision to bf16-mixed"),
         (OVERLAP, EP2, {"bf16": True, "recompute": "full", "device": CUDA}, "activation_checkpointing"),
-        (OVERLAP, EP2, {"bf16": True, "device": torch.device("cpu")}, "need a CUDA device"),
+        (OVERLAP, EP2, {"bf16": True, "device": torch.device("cpu")}, "needs a CUDA device"),
         (
             MoECommOverlap(moe_shared_expert_overlap=True),
             MegatronDims(),
             {"device": torch.device("cpu")},
-            "moe_shared_expert_overlap need a CUDA device",
+            "moe_shared_expert_overlap needs a CUDA device",
         ),
     ],
 )
@@ -81,6 +81,18 @@ def test_strategy_takes_megatron_cores_option_names():
         "delay_wgrad_compute": True,
         "moe_shared_expert_overlap": False,
     }
+
+
+def test_strategy_refuses_them_on_the_cpu_before_any_process_group_is_built():
+    from lightning.fabric.plugins.environments import LightningEnvironment
+    from lightning.pytorch.accelerators import CPUAccelerator
+
+    strategy = MegatronStrategy(moe_shared_expert_overlap=True)
+    strategy.parallel_devices = [torch.device("cpu")]
+    strategy.cluster_environment = LightningEnvironment()
+    strategy.accelerator = CPUAccelerator()
+    with pytest.raises(ValueError, match="moe_shared_expert_overlap needs a CUDA device.*set it to false"):
+        strategy.setup_environment()
 
 
 def _build(overlap: MoECommOverlap, **kwargs) -> MegatronBuild:
