@@ -113,6 +113,11 @@ def test_the_twin_refuses_what_its_model_cannot_overlap():
         check_moe_overlap(no_shared, _build(delayed))
     with pytest.raises(ValueError, match="composed model"):
         check_moe_overlap(no_shared, _build(OVERLAP, composition=object()))
+    from forge_lightning.modules.diffusion.megatron import check_layout as check_dit_layout
+    from forge_lightning.modules.diffusion.wan_config import WanDiTConfig
+
+    with pytest.raises(ValueError, match="the Wan DiT has none"):  # the other family's twin
+        check_dit_layout(WanDiTConfig(), _build(MoECommOverlap(moe_shared_expert_overlap=True)))
     check_moe_overlap(no_shared, _build(OVERLAP))
     check_moe_overlap(moe_config("qwen2_moe"), _build(MoECommOverlap(moe_shared_expert_overlap=True)))
 
