@@ -36,6 +36,7 @@ from forge_lightning.contracts.megatron import (
     MegatronDims,
     MegatronModule,
     MegatronTwin,
+    MoECommOverlap,
     experts_apart,
 )
 from forge_lightning.contracts.module import (
@@ -101,6 +102,7 @@ __all__ = [
     "MegatronDims",
     "MegatronModule",
     "MegatronTwin",
+    "MoECommOverlap",
     "ParallelPlan",
     "ParameterResync",
     "PlannedModule",

@@ -221,6 +221,92 @@ class MegatronDims:
             )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class MoECommOverlap:
+    """megatron-core's MoE communication overlap options, by its names (``TransformerConfig`` fields), checked up
+    front: against the layout and run here (:meth:`check`, at strategy setup, before any process group or model is
+    built) and against the model by the family's twin (it has MoE layers, shared experts, a layer spec that can).
+
+    Args:
+        overlap_moe_expert_parallel_comm: overlap the expert-parallel all-to-all of one micro-batch with the
+            computation of another (megatron-core's combined 1F1B schedule: forward of micro-batch i+1 beside the
+            backward of micro-batch i, on separate CUDA streams).
+        delay_wgrad_compute: with ``overlap_moe_expert_parallel_comm``, compute the weight gradients after the
+            data gradients, so that the all-to-all also overlaps them (TransformerEngine's linears).
+        moe_shared_expert_overlap: run the shared experts on a CUDA stream of their own beside the token
+            dispatcher's all-to-all.
+    """
+
+    overlap_moe_expert_parallel_comm: bool = False
+    delay_wgrad_compute: bool = False
+    moe_shared_expert_overlap: bool = False
+
+    @property
+    def enabled(self) -> bool:
+        """Whether any of the options is on."""
+        return any(dataclasses.astuple(self))
+
+    def transformer_config_fields(self) -> dict[str, bool]:
+        """The options as ``TransformerConfig`` keyword arguments."""
+        return dataclasses.asdict(self)
+
+    def check(
+        self,
+        dims: MegatronDims,
+        *,
+        device: torch.device | None = None,
+        bf16: bool | None = None,
+        recompute: str | None = None,
+    ) -> None:
+        """Raise ``ValueError`` naming the option and the fix for a precondition megatron-core sets (its
+        ``TransformerConfig`` asserts, or code that needs CUDA streams) that the run does not meet.
+
+        ``device``, ``bf16`` and ``recompute`` are checked when given (the strategy knows them once the trainer is
+        set up); the layout always.
+        """
+        if self.delay_wgrad_compute and not self.overlap_moe_expert_parallel_comm:
+            raise ValueError(
+                "delay_wgrad_compute needs overlap_moe_expert_parallel_comm=True (megatron-core delays the weight "
+                "gradients only in its combined 1F1B schedule): set both, or neither"
+            )
+        if self.overlap_moe_expert_parallel_comm:
+            self._check_expert_overlap(dims, bf16=bf16, recompute=recompute)
+        if device is not None and self.enabled and device.type != "cuda":
+            on = [name for name, value in dataclasses.asdict(self).items() if value]
+            raise ValueError(
+                f"{' and '.join(on)} {'needs' if len(on) == 1 else 'need'} a CUDA device (megatron-core runs the "
+                f"overlapped work on CUDA streams), the run's is {device.type!r}: set "
+                f"{'it' if len(on) == 1 else 'them'} to false on this machine"
+            )
+
+    def _check_expert_overlap(self, dims: MegatronDims, *, bf16: bool | None, recompute: str | None) -> None:
+        named = f"overlap_moe_expert_parallel_comm with {dims.describe()}"
+        if dims.ep < 2:
+            raise ValueError(
+                f"{named}: it overlaps the expert-parallel all-to-all, so it needs expert_model_parallel_size > 1"
+            )
+        if dims.pp > 1 and dims.virtual_pipeline_model_parallel_size is None:
+            raise ValueError(
+                f"{named}: with pipeline_model_parallel_size > 1 megatron-core overlaps within the interleaved "
+                "schedule only; set virtual_pipeline_model_parallel_size (e.g. 2)"
+            )
+        if self.moe_shared_expert_overlap:
+            raise ValueError(
+                "overlap_moe_expert_parallel_comm and moe_shared_expert_overlap exclude each other (the combined "
+                "1F1B schedule places the shared experts itself): set moe_shared_expert_overlap to false"
+            )
+        if bf16 is False:
+            raise ValueError(
+                "overlap_moe_expert_parallel_comm runs bf16 models only (megatron-core asserts it): set "
+                "trainer.precision to bf16-mixed or bf16-true"
+            )
+        if recompute not in (None, "none"):
+            raise ValueError(
+                f"overlap_moe_expert_parallel_comm does not run with activation recompute ({recompute!r}): set "
+                "performance.activation_checkpointing and the components' recompute to 'none'"
+            )
+
+
 def experts_apart(layout: Mapping[str, Any]) -> bool:
     """Whether the routed experts' gradients are reduced over megatron's expert data-parallel group rather than the
     data-parallel one: with expert parallelism, or an expert tensor-parallel size other than TP (the TP ranks then
@@ -252,6 +338,8 @@ class MegatronBuild:
             decoder): the twin merges ``encode``'s output into its inputs with ``composition.merge``.
         encode: the composition's encoder side for one micro-batch, run by the strategy (shared over the TP group,
             under the run's autocast); ``None`` without composition.
+        moe_overlap: megatron-core's MoE communication overlap options (checked against the layout and run by the
+            strategy); the twin passes them into its ``TransformerConfig`` and refuses those its model cannot run.
     """
 
     dims: MegatronDims
@@ -262,6 +350,7 @@ class MegatronBuild:
     performance: PerformanceConfig | None = None
     composition: Composition | None = None
     encode: Callable[[dict[str, Tensor]], Tensor] | None = None
+    moe_overlap: MoECommOverlap = MoECommOverlap()
 
 
 LossFunction = Callable[[Any], tuple[Tensor, Tensor, dict[str, Tensor]]]
@@ -294,7 +383,11 @@ class MegatronTwin(Protocol):
 
     def forward_step(self, batch: dict[str, Tensor], chunk: nn.Module) -> tuple[Any, LossFunction]:
         """The chunk's output on one micro-batch (the same batch on every rank of a model replica) and the loss
-        function of that micro-batch; the loss function's logging dict holds :data:`LOSS_AND_COUNT`."""
+        function of that micro-batch; the loss function's logging dict holds :data:`LOSS_AND_COUNT`.
+
+        A twin that accepts ``MegatronBuild.moe_overlap.overlap_moe_expert_parallel_comm`` also takes a keyword
+        ``schedule_plan=True`` (megatron-core's combined 1F1B schedule passes it): it then returns the chunk's
+        schedule plan (``GPTModel.build_schedule_plan``) in place of its output."""
         ...
 
     def after_schedule(

@@ -51,11 +51,21 @@ class GlobalBatchLoss:
             loss_sum: sum of the micro-batch's item losses.
             count: its number of items.
         """
-        total = self._global_count(module, batch, count)
         self.record_train(torch.stack([loss_sum.detach().double(), count.double()]))
+        return loss_sum * self.gradient_scale(module, batch, count).to(loss_sum.dtype)
+
+    def gradient_scale(self, module: Any, batch: dict[str, Any], count: Tensor) -> Tensor:
+        """The factor :meth:`training_loss` multiplies the micro-batch's loss sum by (``accumulation x DP / the
+        global batch's items``), for further sums normalised by the same items (multi-token prediction's).
+
+        Args:
+            module: the LightningModule (attached to a trainer).
+            batch: the micro-batch (its ``count_key`` entry: the step's count on this data rank).
+            count: its number of items.
+        """
+        total = self._global_count(module, batch, count)
         trainer = module.trainer
-        scale = trainer.accumulate_grad_batches * data_parallel(trainer.strategy)[0]
-        return loss_sum * (scale / total).to(loss_sum.dtype)
+        return trainer.accumulate_grad_batches * data_parallel(trainer.strategy)[0] / total
 
     def _global_count(self, module: Any, batch: dict[str, Any], count: Tensor) -> Tensor:
         """Items of this optimizer step over all micro-batches and data-parallel ranks (cached per step)."""

@@ -6,7 +6,8 @@ of that changes the arithmetic, so for CPU tests it is redirected:
 
 * the current CUDA device is the CPU; ``Tensor.cuda()`` is the identity;
 * the CUDA RNG state is the CPU generator's;
-* streams, events and synchronisation are no-ops;
+* streams, events, synchronisation, ``Tensor.record_stream`` and NVTX ranges are no-ops (megatron's combined
+  1F1B schedule of ``overlap_moe_expert_parallel_comm`` then runs its nodes in order);
 * ``Tensor.type()`` of a CPU tensor reports the CUDA type name megatron expects;
 * a ``device="cuda"`` argument of any torch function (``torch.tensor(..., device="cuda")``) means the CPU, and
   ``pin_memory=True`` is dropped (the context-parallel RoPE slicing asks for it);
@@ -19,6 +20,7 @@ Never imported by the package (a test checks it); the test entry point and conft
 from __future__ import annotations
 
 import contextlib
+import types
 from typing import Any
 
 import torch
@@ -118,6 +120,12 @@ _PATCHES = {
     "manual_seed_all": lambda seed: None,
     "memory_allocated": lambda *a, **k: 0,
     "max_memory_allocated": lambda *a, **k: 0,
+    "nvtx": types.SimpleNamespace(
+        range_push=lambda *a, **k: None,
+        range_pop=lambda *a, **k: None,
+        range=lambda *a, **k: contextlib.nullcontext(),
+        mark=lambda *a, **k: None,
+    ),
 }
 _saved: dict[str, Any] = {}
 _mode: Any = None
@@ -149,7 +157,9 @@ def install() -> None:
         _saved[name] = getattr(torch.cuda, name)
         setattr(torch.cuda, name, patch)
     _saved["Tensor.cuda"], _saved["Tensor.type"] = torch.Tensor.cuda, torch.Tensor.type
+    _saved["Tensor.record_stream"] = torch.Tensor.record_stream
     torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.record_stream = lambda self, stream: None
     torch.Tensor.type = _tensor_type
     _mode = _CudaToCpu()
     _mode.__enter__()

@@ -163,27 +163,32 @@ def _balancing_loss(counts_E: torch.Tensor, prob_sum_E: torch.Tensor, tokens: in
     return (counts_E.numel() * (counts_E / tokens * prob_sum_E / tokens).sum()).item()
 
 
-def decoder_twin(model: DecoderLM, *, bf16: bool = False, **degrees: Any) -> Any:
+def decoder_twin(model: DecoderLM, *, bf16: bool = False, moe_overlap: Any = None, **degrees: Any) -> Any:
     """The decoder's megatron twin (``DecoderTwin``, as ``CausalLM.megatron_model`` builds it) at the layout of
-    ``degrees`` (megatron-core's option names; parallel state already set), on the CPU, in fp32 or bf16."""
-    from forge_lightning.contracts import MegatronBuild, MegatronDims
+    ``degrees`` (megatron-core's option names; parallel state already set), on the CPU, in fp32 or bf16, with the MoE
+    communication overlap options ``moe_overlap`` (a ``MoECommOverlap``; ``None``: none)."""
+    from forge_lightning.contracts import MegatronBuild, MegatronDims, MoECommOverlap
     from forge_lightning.modules.llm.loss import LMLoss
     from forge_lightning.modules.llm.megatron import DecoderTwin
     from forge_lightning.modules.objective import GlobalBatchLoss
 
     build = MegatronBuild(
-        dims=MegatronDims(**degrees), device=torch.device("cpu"), bf16=bf16, use_transformer_engine=False
+        dims=MegatronDims(**degrees),
+        device=torch.device("cpu"),
+        bf16=bf16,
+        use_transformer_engine=False,
+        moe_overlap=moe_overlap or MoECommOverlap(),
     )
     return DecoderTwin(model, build, loss=LMLoss(), objective=GlobalBatchLoss(), log=lambda *a, **k: None)
 
 
-def build_twin(model: DecoderLM, **degrees: Any) -> list[torch.nn.Module]:
+def build_twin(model: DecoderLM, *, moe_overlap: Any = None, **degrees: Any) -> list[torch.nn.Module]:
     """The strategy's DDP-wrapped twin chunks of ``model`` at the layout of ``degrees`` (parallel state already
-    set)."""
+    set), with the MoE communication overlap options ``moe_overlap`` (``None``: none)."""
     from forge_lightning.contracts import MegatronDims
     from forge_lightning.strategies.megatron.wrapping import wrap_ddp
 
-    chunks = decoder_twin(model, **degrees).build_chunks()
+    chunks = decoder_twin(model, moe_overlap=moe_overlap, **degrees).build_chunks()
     return wrap_ddp(chunks, MegatronDims(**degrees), overlap_grad_reduce=False)
 
 

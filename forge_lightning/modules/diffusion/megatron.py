@@ -248,6 +248,11 @@ def check_layout(config: WanDiTConfig, build: MegatronBuild) -> None:
     """Raise ``ValueError`` for what the DiT's twin does not run: model parallelism other than CP, the strategy's
     recompute, a composition, and Ulysses over ranks that do not split the heads."""
     dims = build.dims
+    if build.moe_overlap.enabled:
+        raise ValueError(
+            "the MoE communication overlap options (overlap_moe_expert_parallel_comm, delay_wgrad_compute, "
+            "moe_shared_expert_overlap) overlap MoE layers' communication, and the Wan DiT has none: set them to false"
+        )
     degrees = {
         "tensor_model_parallel_size": dims.tp,
         "pipeline_model_parallel_size": dims.pp,

@@ -296,6 +296,11 @@ class LLMConfig:
         torch_dtype: dtype name the Hugging Face checkpoint stores (informational; written to ``config.json``).
         moe: mixture-of-experts layers (see :class:`MoEConfig`; a dict is converted); ``None`` for a dense model.
         mla: multi-head latent attention instead of grouped-query attention (see :class:`MLAConfig`).
+        num_nextn_predict_layers: DeepSeek-V3's multi-token prediction (MTP) modules the model builds (see
+            ``DecoderLM.mtp``); 0 for none. Written to ``config.json`` under this name when set; :meth:`from_hf`
+            does not read it back: transformers writes 1 into every DeepSeek-V3 config, with or without the
+            weights, and ignores those layers itself, so MTP is chosen by the training run
+            (``CausalLM(num_nextn_predict_layers=..., mtp_loss_weight=...)``), not by the checkpoint.
     """
 
     vocab_size: int
@@ -322,6 +327,7 @@ class LLMConfig:
     torch_dtype: str | None = None
     moe: MoEConfig | None = None
     mla: MLAConfig | None = None
+    num_nextn_predict_layers: int = 0
 
     def __post_init__(self) -> None:
         # Sub-configs are copied so that configs built from one preset or dict never share mutable state.
@@ -348,6 +354,11 @@ class LLMConfig:
             self.head_dim = self.hidden_size // self.num_heads
         _check_positive("head_dim", self.head_dim)
         _check_positive("max_position_embeddings", self.max_position_embeddings)
+        if self.num_nextn_predict_layers < 0:
+            raise ValueError(
+                f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) must be 0 (no multi-token prediction) "
+                "or positive"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads ({self.num_kv_heads}) must divide num_heads ({self.num_heads})")
         if self.head_dim % 2:
@@ -361,6 +372,11 @@ class LLMConfig:
             raise ValueError(f"torch_dtype ({self.torch_dtype!r}) must be one of {', '.join(_DTYPES)}")
         self.rope_scaling = _normalise_rope_scaling(self.rope_scaling)
         self._check_mrope()
+        if self.num_nextn_predict_layers and self.mrope_section is not None:
+            raise ValueError(
+                f"num_nextn_predict_layers ({self.num_nextn_predict_layers}) cannot be combined with rope_scaling "
+                "mrope_section (multimodal RoPE): multi-token prediction runs on text positions only; set it to 0"
+            )
         self._check_architecture()
 
     def _check_mla(self) -> None:
@@ -626,6 +642,8 @@ class LLMConfig:
             hf.update(_moe_to_hf(self))
         if self.mla is not None:
             hf.update(_mla_to_hf(self))
+        if self.num_nextn_predict_layers:
+            hf["num_nextn_predict_layers"] = self.num_nextn_predict_layers
         return hf
 
 

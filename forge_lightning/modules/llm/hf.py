@@ -194,9 +194,9 @@ def load_pretrained(model: DecoderLM, path: str | os.PathLike[str]) -> DecoderLM
             f"{path} holds quantized weights (quant_method {method!r}); dequantize them to bf16 first"
         )
     check_compatible(model.config, LLMConfig.from_hf(hf_config))
-    mtp_layers = range(
-        model.config.num_layers, model.config.num_layers + hf_config.get("num_nextn_predict_layers", 0)
-    )
+    # Multi-token prediction layers the model does not build (transformers ignores them too).
+    first_unused = model.config.num_layers + model.config.num_nextn_predict_layers
+    mtp_layers = range(first_unused, model.config.num_layers + hf_config.get("num_nextn_predict_layers", 0))
     state = {
         k: v
         for k, v in load_hf_state_dict(path).items()
@@ -222,7 +222,7 @@ def load_hf_weights(
         ValueError: tensors are missing, unexpected or of the wrong shape (all named), or a tied head differs
             from the embedding.
     """
-    state = fuse_experts(state)
+    state = fuse_experts(mtp_from_hf(state, model.config, source=source))
     if model.config.tie_word_embeddings and TIED_HEAD_KEY in state:
         head = state.pop(TIED_HEAD_KEY)
         if EMBEDDING_KEY in state and not torch.equal(head, state[EMBEDDING_KEY]):
@@ -352,6 +352,7 @@ def export_tensors(
     floating tensors cast to ``dtype`` (if given), contiguous on the CPU."""
     tensors = {}
     fused = config.architecture in FUSED_EXPERT_FILES
+    state_dict = mtp_to_hf(state_dict, config)
     for name, tensor in (state_dict if fused else split_experts(state_dict)).items():
         if config.tie_word_embeddings and name == TIED_HEAD_KEY:
             continue  # Hugging Face files store the tied matrix once, as the embedding
@@ -375,6 +376,67 @@ def _experts_in_model_layout(state: dict[str, Tensor], expected: Mapping[str, Te
         if tensor.shape == want.transpose(1, 2).shape:
             out[name] = tensor.transpose(1, 2).contiguous()
     return out
+
+
+MTP_SHARED = ("embed_tokens.weight", "shared_head.head.weight")
+"""Tensors DeepSeek-V3's checkpoint stores in each MTP layer that are the main model's (embedding, output head)."""
+
+
+def mtp_to_hf(state: Mapping[str, Tensor], config: LLMConfig) -> dict[str, Tensor]:
+    """The multi-token prediction modules' tensors under DeepSeek-V3's checkpoint names: ``mtp.{k}.X`` as
+    ``model.layers.{num_layers + k}.X``, with copies of the shared embedding and output head in each
+    (``embed_tokens.weight``, ``shared_head.head.weight``), as DeepSeek-V3's files hold them."""
+    if not config.num_nextn_predict_layers:
+        return dict(state)
+    out: dict[str, Tensor] = {}
+    for name, tensor in state.items():
+        match = _MTP_KEY.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        out[f"model.layers.{config.num_layers + int(match.group(1))}.{match.group(2)}"] = tensor
+    for k in range(config.num_nextn_predict_layers):
+        prefix = f"model.layers.{config.num_layers + k}."
+        # Copies: safetensors refuses tensors that share memory.
+        out[prefix + MTP_SHARED[0]] = state[EMBEDDING_KEY].detach().clone()
+        out[prefix + MTP_SHARED[1]] = state.get(TIED_HEAD_KEY, state[EMBEDDING_KEY]).detach().clone()
+    return out
+
+
+def mtp_from_hf(
+    state: Mapping[str, Tensor], config: LLMConfig, *, source: str = "state dict"
+) -> dict[str, Tensor]:
+    """The reverse of :func:`mtp_to_hf`: ``model.layers.{num_layers + k}.X`` as ``mtp.{k}.X``; the copies of the
+    embedding and head are dropped (they must equal the main model's: the paper shares them).
+
+    Raises:
+        ValueError: a copy differs from the main model's tensor.
+    """
+    if not config.num_nextn_predict_layers:
+        return dict(state)
+    out: dict[str, Tensor] = {}
+    first = config.num_layers
+    for name, tensor in state.items():
+        index = _layer_index(name)
+        if index is None or not first <= index < first + config.num_nextn_predict_layers:
+            out[name] = tensor
+            continue
+        rest = name[len(f"model.layers.{index}.") :]
+        if rest in MTP_SHARED:
+            main = state.get(
+                EMBEDDING_KEY if rest == MTP_SHARED[0] else TIED_HEAD_KEY, state.get(EMBEDDING_KEY)
+            )
+            if main is not None and not torch.equal(main, tensor):
+                raise ValueError(
+                    f"{source}: {name} differs from the main model's {EMBEDDING_KEY if rest == MTP_SHARED[0] else TIED_HEAD_KEY}, "
+                    "but multi-token prediction shares the embedding and the output head with the main model"
+                )
+            continue
+        out[f"mtp.{index - first}.{rest}"] = tensor
+    return out
+
+
+_MTP_KEY = re.compile(r"mtp\.(\d+)\.(.+)")
 
 
 def _layer_index(key: str) -> int | None:

@@ -6,6 +6,9 @@ Submodule names follow Hugging Face (``model.embed_tokens``, ``model.layers.N.se
     input_ids ─ embed_tokens ─ [DecoderLayer] x num_layers ─ norm ─ (hidden_states) ─ lm_head ─ logits
                                  x + attn(norm(x)); x + mlp(norm(x))
 
+With ``config.num_nextn_predict_layers`` = D, DeepSeek-V3's multi-token prediction modules follow (``mtp``, saved as
+``model.layers.{num_layers + k}``; see :class:`MTPLayer` and :meth:`DecoderLM.mtp_hidden_states`).
+
 Each layer's ``self_attn`` is grouped-query :class:`Attention` or :class:`MultiLatentAttention` (``config.mla``) and
 its ``mlp`` a dense :class:`GatedMLP` or a :class:`MoEBlock` (``config.moe``), chosen by :func:`build_attention`
 and :func:`build_mlp`.
@@ -198,6 +201,57 @@ class DecoderLayer(nn.Module):
         return x_BSD + self.mlp(self.post_attention_layernorm(x_BSD))
 
 
+class MTPHead(nn.Module):
+    """The norm before an MTP module's output head (``shared_head.norm``); the head is the model's ``lm_head``."""
+
+    def __init__(self, config: LLMConfig) -> None:
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+
+class MTPLayer(DecoderLayer):
+    """One multi-token prediction module of DeepSeek-V3 (arXiv:2412.19437, sec. 2.2), depth ``k``: the projection
+    ``M_k`` (``eh_proj``) of the normed token embeddings and previous-depth hidden states, a transformer block
+    ``TRM_k`` (this layer's own attention and MLP) and the norm of the shared output head::
+
+        Emb(t_{i+k}) ─ enorm ─┐
+                              cat ─ eh_proj ─ TRM_k ─ shared_head.norm ─ h^k_i (─ lm_head: logits of t_{i+k+1})
+        h^{k-1}_i    ─ hnorm ─┘
+
+    The concatenation puts the embedding first, as DeepSeek-V3's checkpoint's ``eh_proj`` (and megatron-core) take
+    it. The embedding and the output head are the main model's (shared).
+
+    Args:
+        config: the model's configuration.
+        layer_index: its index in the checkpoint, ``num_layers + k - 1`` (decides dense or MoE).
+    """
+
+    def __init__(self, config: LLMConfig, layer_index: int) -> None:
+        super().__init__(config, layer_index)
+        self.init_std = config.initializer_range
+        self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.shared_head = MTPHead(config)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.normal_(self.eh_proj.weight, mean=0.0, std=self.init_std)
+
+    def forward(  # type: ignore[override]
+        self,
+        hidden_BSD: Tensor,
+        embeds_BSD: Tensor,
+        rope: tuple[Tensor, Tensor],
+        *,
+        documents: DocumentMask | None = None,
+    ) -> Tensor:
+        """``h^k`` ``[B, S, D]`` (normed for the head) of the previous depth's ``hidden_BSD`` and the embeddings of
+        the tokens ``k`` positions ahead, ``embeds_BSD``."""
+        x_BSD = self.eh_proj(torch.cat([self.enorm(embeds_BSD), self.hnorm(hidden_BSD)], dim=-1))
+        return self.shared_head.norm(super().forward(x_BSD, rope, documents=documents))
+
+
 class DecoderModel(nn.Module):
     """Embedding, decoder layers and final norm (Hugging Face's ``model`` submodule).
 
@@ -289,6 +343,9 @@ class DecoderLM(nn.Module):
         self.config = config
         self.model = DecoderModel(config, attention_backend=attention_backend)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.mtp = nn.ModuleList(
+            MTPLayer(config, config.num_layers + k) for k in range(config.num_nextn_predict_layers)
+        )
         self.init_weights()
 
     def tp_plan(self) -> dict[str, str]:
@@ -403,6 +460,55 @@ class DecoderLM(nn.Module):
             inputs_embeds=inputs_embeds,
         )
         return self.lm_head(hidden_BSD)
+
+    def mtp_hidden_states(
+        self,
+        hidden_BSD: Tensor,
+        input_ids: Tensor,
+        position_ids: Tensor | None = None,
+        document_ids: Tensor | None = None,
+    ) -> list[Tensor]:
+        """Each MTP depth's normed hidden states, ``h^k`` ``[B, S - k, hidden]`` for ``k = 1..D``: position ``i``
+        of depth ``k`` combines ``h^{k-1}_i`` with the embedding of ``t_{i+k}``, and ``lm_head`` of it predicts
+        ``t_{i+k+1}``. Depth ``k`` runs on the first ``S - k`` positions (the causal attention of those never sees
+        the later ones, so this equals megatron-core's rolled full-length sequences on them).
+
+        Args:
+            hidden_BSD: the main model's final-normed hidden states (:meth:`hidden_states`), ``h^0``.
+            input_ids: the token ids ``[B, S]`` the hidden states are of.
+            position_ids: their positions (``[B, S]`` or ``[1, S]``); default as :meth:`forward`.
+            document_ids: packed rows' document ids ``[B, S]``: each depth attends within documents (the loss
+                leaves out positions whose token ``k`` ahead is in another document, see ``llm/mtp.py``).
+        """
+        S = input_ids.shape[1]
+        if hidden_BSD.shape[:2] != input_ids.shape:
+            raise ValueError(
+                f"hidden states of shape {list(hidden_BSD.shape)} for input_ids of shape {list(input_ids.shape)}: "
+                "multi-token prediction needs each sequence's hidden states whole (not a sequence-parallel or "
+                "context-parallel share); train it without sequence_parallel / context parallelism"
+            )
+        if len(self.mtp) >= S:
+            raise ValueError(
+                f"sequences of {S} tokens are too short for {len(self.mtp)} multi-token prediction depths "
+                "(num_nextn_predict_layers): depth k predicts the token k + 1 ahead; use longer sequences"
+            )
+        if position_ids is None:
+            position_ids = (
+                document_positions(document_ids)
+                if document_ids is not None
+                else torch.arange(S, device=input_ids.device)[None]
+            )
+        out, h_BSD = [], hidden_BSD
+        for k, layer in enumerate(self.mtp, start=1):
+            keep = S - k  # positions i whose token t_{i+k} exists
+            embeds_BSD = self.model.embed_tokens(input_ids[:, k:])
+            documents = None
+            if document_ids is not None:
+                documents = DocumentMask.build(document_ids[:, :keep], self.model.attention_backend)
+            rope = self.model.rotary_emb(position_ids[:, :keep])
+            h_BSD = layer(h_BSD[:, :keep], embeds_BSD, rope, documents=documents)
+            out.append(h_BSD)
+        return out
 
     def init_kv_cache(
         self,

@@ -24,6 +24,7 @@ from forge_lightning.modules.llm.generation import generate
 from forge_lightning.modules.llm.hf import load_pretrained, save_pretrained
 from forge_lightning.modules.llm.loss import LMLoss
 from forge_lightning.modules.llm.model import DecoderLM
+from forge_lightning.modules.llm.mtp import mtp_loss_sum
 from forge_lightning.modules.lora import LoRAConfig, apply_lora, save_adapter
 from forge_lightning.modules.objective import GlobalBatchLoss, TokenLossSteps
 from forge_lightning.optim import OptimizerConfig, SchedulerConfig, build_optimizer, build_scheduler
@@ -77,6 +78,23 @@ def router_loss_term(module: pl.LightningModule, config: LLMConfig, router: Rout
     return config.moe.aux_loss_coef * router.aux_loss + config.moe.z_loss_coef * router.z_loss
 
 
+def _check_mtp(config: LLMConfig, weight: float) -> None:
+    """Multi-token prediction needs both its modules and a positive weight (modules without one never train)."""
+    depths = config.num_nextn_predict_layers
+    if weight < 0:
+        raise ValueError(f"mtp_loss_weight ({weight}) must be non-negative")
+    if weight and not depths:
+        raise ValueError(
+            f"mtp_loss_weight ({weight}) needs multi-token prediction modules: set num_nextn_predict_layers "
+            "(DeepSeek-V3: 1) in the model config, or mtp_loss_weight to 0"
+        )
+    if depths and not weight:
+        raise ValueError(
+            f"num_nextn_predict_layers ({depths}) builds multi-token prediction modules that only a positive "
+            "mtp_loss_weight trains (DeepSeek-V3: 0.3, then 0.1): set it, or num_nextn_predict_layers to 0"
+        )
+
+
 class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
     """Decoder-only language model (Llama / Qwen2 / Qwen3 / Mistral style) built from a Hugging Face config.
 
@@ -102,6 +120,14 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
             top-level ``performance`` section). Every strategy applies it.
         lora: LoRA adapters (see :class:`~forge_lightning.modules.lora.LoRAConfig`); only they (and
             ``modules_to_save``) train, and :meth:`save_pretrained` writes a PEFT adapter.
+        num_nextn_predict_layers: DeepSeek-V3's multi-token prediction modules to build and train (``D``; the
+            config's field of that name, which a Hugging Face ``config.json`` does not set: see
+            :class:`~forge_lightning.modules.llm.config.LLMConfig`); 0 keeps the config's (none unless a preset or
+            config object sets it).
+        mtp_loss_weight: DeepSeek-V3's multi-token prediction weight ``lambda`` (0.3, then 0.1 in its pre-training):
+            the training loss adds ``lambda / D`` times the ``D = config.num_nextn_predict_layers`` depths' summed
+            cross-entropies over the main loss's trainable tokens (see ``forge_lightning.modules.llm.mtp``), logged
+            as ``train/mtp_loss`` (their mean over depths). Must be positive with MTP modules, 0 without.
     """
 
     # The performance switches the module applies itself (the strategy applies the others; see
@@ -123,9 +149,15 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
         ignore_index: int = -100,
         performance: PerformanceConfig | dict[str, Any] | None = None,
         lora: LoRAConfig | dict[str, Any] | None = None,
+        num_nextn_predict_layers: int = 0,
+        mtp_loss_weight: float = 0.0,
     ) -> None:
         super().__init__()
         self.config = LLMConfig.load(config)
+        if num_nextn_predict_layers:
+            self.config = dataclasses.replace(self.config, num_nextn_predict_layers=num_nextn_predict_layers)
+        _check_mtp(self.config, mtp_loss_weight)
+        self.mtp_loss_weight = mtp_loss_weight
         self.optimizer_config: OptimizerConfig = _as(OptimizerConfig, optimizer)
         self.scheduler_config: SchedulerConfig = _as(SchedulerConfig, scheduler)
         self.generation_config: GenerationConfig = _as(GenerationConfig, generation)
@@ -144,6 +176,8 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
                 "ignore_index": ignore_index,
                 "performance": self.performance.to_dict(),
                 "lora": None if self.lora_config is None else dataclasses.asdict(self.lora_config),
+                "num_nextn_predict_layers": num_nextn_predict_layers,
+                "mtp_loss_weight": mtp_loss_weight,
             }
         )
         self.pretrained = None if pretrained is None else str(pretrained)
@@ -259,9 +293,16 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
 
         A packed batch (``document_ids`` present) attends within each document only.
         """
-        hidden_BSH = self.model.hidden_states(
+        return self._loss_sum(self._hidden_states(batch), batch)
+
+    def _hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.model.hidden_states(
             batch["input_ids"], position_ids=batch.get("position_ids"), document_ids=batch.get("document_ids")
         )
+
+    def _loss_sum(
+        self, hidden_BSH: torch.Tensor, batch: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         loss = self.lm_loss(hidden_BSH.device)
         return loss(
             hidden_BSH.reshape(-1, hidden_BSH.shape[-1]),
@@ -271,10 +312,28 @@ class CausalLM(UnscaledGradientClipping, TokenLossSteps, pl.LightningModule):
 
     @override
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss_sum, tokens = self.loss_sum(batch)
-        loss = self.objective.training_loss(self, batch, loss_sum, tokens)
+        if self.mtp_loss_weight:  # the main loss from the hidden states the MTP modules start from
+            hidden_BSH = self._hidden_states(batch)
+            loss_sum, tokens = self._loss_sum(hidden_BSH, batch)
+            loss = self.objective.training_loss(self, batch, loss_sum, tokens)
+            loss = loss + self._mtp_loss(hidden_BSH, batch, tokens).to(loss.dtype)
+        else:
+            loss_sum, tokens = self.loss_sum(batch)
+            loss = self.objective.training_loss(self, batch, loss_sum, tokens)
         router_loss = self._moe_aux_losses()
         return loss if router_loss is None else loss + router_loss.to(loss.dtype)
+
+    def _mtp_loss(
+        self, hidden_BSH: torch.Tensor, batch: dict[str, torch.Tensor], tokens: torch.Tensor
+    ) -> torch.Tensor:
+        """``lambda / D`` times the MTP depths' summed cross-entropies, scaled by the one batch rule as the main
+        loss's sum (over the global batch's main trainable tokens); logs ``train/mtp_loss``, the micro-batch's
+        mean over depths of their sums over its main trainable tokens (the paper's ``L_k``)."""
+        total, per_depth = mtp_loss_sum(self.model, hidden_BSH, batch, self.lm_loss(hidden_BSH.device))
+        depths = per_depth.numel()
+        mean = per_depth.detach().float().sum() / depths / tokens.clamp_min(1)
+        self.log("train/mtp_loss", mean, rank_zero_only=True)
+        return total * self.objective.gradient_scale(self, batch, tokens) * (self.mtp_loss_weight / depths)
 
     def _moe_aux_losses(self) -> torch.Tensor | None:
         """Weighted router losses of the last forward (``None`` for a dense model), logging them and the expert load

@@ -45,7 +45,11 @@ def run_schedule(
 
     micro_batch, seq_length = twin.micro_batch_shape(batches[0])
 
-    def step(data_iterator: Any, model: nn.Module) -> tuple[Any, Callable]:
+    def step(
+        data_iterator: Any, model: nn.Module, return_schedule_plan: bool = False
+    ) -> tuple[Any, Callable]:
+        if return_schedule_plan:  # overlap_moe_expert_parallel_comm: megatron's combined 1F1B schedule
+            return twin.forward_step(next(data_iterator), model, schedule_plan=True)
         return twin.forward_step(next(data_iterator), model)
 
     iterators: Any = [iter(batches) for _ in chunks]

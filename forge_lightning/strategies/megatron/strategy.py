@@ -59,6 +59,7 @@ from forge_lightning.contracts import (
     MegatronDims,
     MegatronModule,
     MegatronTwin,
+    MoECommOverlap,
     ParallelPlan,
     StrategyTraits,
     TextData,
@@ -123,6 +124,14 @@ class MegatronStrategy(ParallelStrategy):
             ``fully_reshardable`` form, which resumes at any TP / PP / VPP / CP / EP / DP layout, instead of
             ``dp_reshardable`` (each rank writes its own shards, no gather; resumes at another DP size only). The
             gather runs through host memory: about 30 s more per save for a 1B model on one H200.
+        overlap_moe_expert_parallel_comm: overlap the expert-parallel all-to-all of one micro-batch with another's
+            computation (megatron-core's combined 1F1B schedule); needs EP > 1, bf16, CUDA, no activation recompute,
+            and with PP > 1 the interleaved schedule (``virtual_pipeline_model_parallel_size``).
+        delay_wgrad_compute: with ``overlap_moe_expert_parallel_comm``, compute weight gradients after the data
+            gradients so the all-to-all overlaps them too (needs TransformerEngine's linears).
+        moe_shared_expert_overlap: run the shared experts beside the token dispatcher's all-to-all (CUDA streams;
+            a model with shared experts; not with ``overlap_moe_expert_parallel_comm``). See
+            :class:`~forge_lightning.contracts.MoECommOverlap` and docs/megatron.md.
         checkpoint_writers: files each rank writes in parallel (megatron-core's writer forks one process per file).
         use_transformer_engine: TE layer spec (``None``: when TE is importable).
         components: per-component settings, ``{name: {tensor_model_parallel_size, recompute, freeze}}`` for
@@ -162,6 +171,9 @@ class MegatronStrategy(ParallelStrategy):
         overlap_grad_reduce: bool = False,
         overlap_param_gather: bool = False,
         dist_ckpt_optim_fully_reshardable: bool = False,
+        overlap_moe_expert_parallel_comm: bool = False,
+        delay_wgrad_compute: bool = False,
+        moe_shared_expert_overlap: bool = False,
         checkpoint_writers: int = ckpt.CHECKPOINT_WRITERS,
         use_transformer_engine: bool | None = None,
         components: dict[str, dict[str, Any]] | None = None,
@@ -184,6 +196,11 @@ class MegatronStrategy(ParallelStrategy):
             overlap_param_gather=overlap_param_gather,
         )
         self.overlap_grad_reduce = overlap_grad_reduce
+        self.moe_overlap = MoECommOverlap(
+            overlap_moe_expert_parallel_comm=overlap_moe_expert_parallel_comm,
+            delay_wgrad_compute=delay_wgrad_compute,
+            moe_shared_expert_overlap=moe_shared_expert_overlap,
+        )
         self.optimizer_sharding = (
             ckpt.FULLY_RESHARDABLE if dist_ckpt_optim_fully_reshardable else ckpt.DP_RESHARDABLE
         )
@@ -240,6 +257,7 @@ class MegatronStrategy(ParallelStrategy):
         # The degrees against the world size, before any process group is built (against the model in setup).
         dims = self.dims
         dp = dims.validate(self.world_size)
+        self.moe_overlap.check(dims, device=self.root_device)
         parse_components(self.components, dims.tp)  # names are checked in setup
         parse_placement(self.encoder_placement, dims.pp)
         backend = self._process_group_backend or process_group_backend(self.accelerator, self.root_device)
@@ -353,6 +371,9 @@ class MegatronStrategy(ParallelStrategy):
             bf16=self._bf16,
             placement=parse_placement(self.encoder_placement, dims.pp),
         )
+        checkpointing = perf.activation_checkpointing if perf is not None else "none"
+        recompute = "none" if {checkpointing, parts.decoder_recompute()} == {"none"} else "full"
+        self.moe_overlap.check(dims, bf16=self._bf16, recompute=recompute)
         datamodule = trainer.datamodule
         # A composed model's decoder input is longer than the data's sequences: its twin checks each batch.
         seq_length = (
@@ -370,6 +391,7 @@ class MegatronStrategy(ParallelStrategy):
             performance=perf,
             composition=parts.composition,
             encode=parts.encode if parts.composed else None,
+            moe_overlap=self.moe_overlap,
         )
         self._twin = module.megatron_model(build)
         check_applied(perf, self.performance_switches | self._twin.performance_switches, type(self).__name__)

@@ -13,6 +13,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -23,17 +24,26 @@ from forge_lightning.modules.llm.loss import LMLoss
 from forge_lightning.modules.llm.megatron.gpt import unwrap
 
 
-def forward_step(batch: dict[str, Tensor], chunk: nn.Module, loss: LMLoss) -> tuple[Tensor, Callable]:
+def forward_step(
+    batch: dict[str, Tensor], chunk: nn.Module, loss: LMLoss, *, schedule_plan: bool = False
+) -> tuple[Any, Callable]:
     """The chunk's output on a plain (not composed) micro-batch and its loss function.
 
     Ignored positions get a valid class id for megatron's cross-entropy; their loss is masked out by
     :meth:`LMLoss.reduce`. The document ids travel as the attention mask (a tensor: megatron's recompute saves it)
-    to the SDPA core attention.
+    to the SDPA core attention. With ``schedule_plan`` (``overlap_moe_expert_parallel_comm``: megatron-core's
+    combined 1F1B schedule, which hands the unwrapped model) the chunk's schedule plan of the same inputs instead of
+    its output; the plan runs the model's own pre- and post-processing, so the loss is the same.
     """
     position_ids, document_ids = packed_inputs(batch, chunk)
     batch = shard_on_context_parallel_rank(batch)
     labels = batch["labels"]
     trainable = labels.masked_fill(labels == loss.ignore_index, 0)
+    if schedule_plan:
+        plan = unwrap(chunk).build_schedule_plan(
+            batch["input_ids"], position_ids, document_ids, labels=trainable
+        )
+        return plan, loss_function(loss, labels)
     output = chunk(batch["input_ids"], position_ids, document_ids, labels=trainable)
     return output, loss_function(loss, labels)
 

@@ -24,6 +24,11 @@ def check_supported(config: LLMConfig) -> None:
     megatron-core has one switch for the q/k/v bias (``add_qkv_bias``) and one for every linear's bias
     (``add_bias_linear``), so an output-projection bias without MLP biases (or the reverse) has no twin.
     """
+    if config.num_nextn_predict_layers:
+        raise NotImplementedError(
+            f"num_nextn_predict_layers ({config.num_nextn_predict_layers}) (multi-token prediction) is not yet "
+            "supported by the megatron twin: train MTP with FSDP2Strategy or DDPStrategy, or set it to 0"
+        )
     if config.mla is not None:
         _check_mla_supported(config)
     if config.moe is not None:

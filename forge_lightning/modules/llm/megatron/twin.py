@@ -84,6 +84,7 @@ class DecoderTwin:
         self.log = log
         self.pretrained = pretrained
         check_layout(self.config, build.dims, build.use_transformer_engine)
+        check_moe_overlap(self.config, build)
         self.kernels, self.recompute = self._performance()
         if resolve_transformer_engine(self.config, build.use_transformer_engine):
             for name in ("rms_norm", "rope"):
@@ -169,6 +170,7 @@ class DecoderTwin:
             use_cpu_initialization=device.type != "cuda",
             bias_activation_fusion=capabilities(device).compile and self.kernels["swiglu"] == "auto",
             **(FULL_RECOMPUTE if self.recompute == "full" else {}),
+            **self.build.moe_overlap.transformer_config_fields(),
         )
 
     def build_chunks(self) -> list[nn.Module]:
@@ -221,15 +223,19 @@ class DecoderTwin:
         return [Float16Module(tf_config, chunk) if self.build.bf16 else chunk for chunk in chunks]
 
     # ----- the schedule -----------------------------------------------------------------------------------------
-    def forward_step(self, batch: dict[str, Tensor], chunk: nn.Module) -> tuple[Tensor, Callable]:
-        """megatron's forward step of one micro-batch (see steps.py)."""
+    def forward_step(
+        self, batch: dict[str, Tensor], chunk: nn.Module, *, schedule_plan: bool = False
+    ) -> tuple[Any, Callable]:
+        """megatron's forward step of one micro-batch (see steps.py); with ``schedule_plan`` (megatron-core's
+        combined 1F1B schedule, ``overlap_moe_expert_parallel_comm``) the chunk's schedule plan instead of its
+        output."""
         from forge_lightning.modules.llm.megatron import steps
 
         build = self.build
         if build.composition is None:
             # Batches of variable length (the data's seq_length, when fixed, was checked at setup).
             build.dims.check_sequence_length(batch["input_ids"].shape[1], what="the batch's sequence length")
-            return steps.forward_step(batch, chunk, self.loss)
+            return steps.forward_step(batch, chunk, self.loss, schedule_plan=schedule_plan)
         return steps.composed_forward_step(batch, chunk, self.loss, build.composition, build.encode)
 
     def after_schedule(
@@ -321,6 +327,39 @@ def check_layout(config: LLMConfig, dims: MegatronDims, use_transformer_engine: 
             else "hierarchical_context_parallel_sizes[0]"
         )
         check_ulysses_heads(config, dims.tp, dims.ulysses_size, option=option)
+
+
+def check_moe_overlap(config: LLMConfig, build: MegatronBuild) -> None:
+    """Raise ``ValueError`` for a MoE communication overlap option (``build.moe_overlap``, checked against the
+    layout by the strategy) that this model or layer spec cannot run, naming the option and the fix."""
+    overlap = build.moe_overlap
+    if not overlap.enabled:
+        return
+    on = [name for name, value in overlap.transformer_config_fields().items() if value]
+    if config.moe is None or not config.num_moe_layers:
+        raise ValueError(
+            f"{', '.join(on)} overlap the MoE layers' communication, and this model has none: set them to false"
+        )
+    if overlap.moe_shared_expert_overlap and not config.moe.shared_intermediate_size:
+        raise ValueError(
+            "moe_shared_expert_overlap overlaps the shared experts with the token dispatch, and this model has no "
+            "shared experts (moe.shared_intermediate_size is 0): set it to false"
+        )
+    if overlap.delay_wgrad_compute and not resolve_transformer_engine(config, build.use_transformer_engine):
+        why = (
+            "multi-latent attention runs the local spec" if config.mla is not None else "the local layer spec"
+        )
+        raise ValueError(
+            f"delay_wgrad_compute needs TransformerEngine's linears (megatron-core's local linears compute the weight "
+            f"gradients in the backward itself, so nothing would be delayed), and this twin runs {why}: install "
+            "TransformerEngine and set use_transformer_engine: true, or set delay_wgrad_compute to false"
+        )
+    if overlap.overlap_moe_expert_parallel_comm and build.composition is not None:
+        raise ValueError(
+            "overlap_moe_expert_parallel_comm is not supported for the decoder of a composed model (encoder -> "
+            "projector -> LLM): megatron-core's schedule plan has no place for the merged encoder features; set it "
+            "to false"
+        )
 
 
 def check_ulysses_heads(
