@@ -56,7 +56,7 @@ FSDP_WORLD = [
         4,
         dict(tensor_parallel_size=3),
         r"data_parallel_size x context_parallel_size x tensor_parallel_size must equal the world size: "
-        r"data_parallel_size=auto \(resolved 1\), .*tensor_parallel_size=3, world size=4",
+        r"data_parallel_size=auto \(resolved 1\), .*tensor_parallel_size=3, expert_parallel_size=1, world size=4",
     ),
     (
         2,

@@ -16,6 +16,8 @@ and gets no gradient. Training is that of no replication up to the order of floa
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -147,8 +149,15 @@ class ReplicatedExperts(nn.Module):
             primary.grad.index_add_(0, experts, spare.grad[used])
             spare.grad[used] = primary.grad[experts]
 
-    def forward(self, x_TD: Tensor, indices_TK: Tensor, weights_TK: Tensor) -> tuple[Tensor, Tensor]:
-        """As :meth:`Experts.forward`, each assignment computed by the holder :func:`split_by_index` picks.
+    def forward(
+        self,
+        x_TD: Tensor,
+        indices_TK: Tensor,
+        weights_TK: Tensor,
+        shared: Callable[[Tensor], Tensor | None] | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """As :meth:`Experts.forward` (``shared``: the always-active experts, added to the output), each assignment
+        computed by the holder :func:`split_by_index` picks.
 
         Returns:
             The mixed outputs ``[T, D]`` and the assignments per (original) expert ``[E]``.
@@ -166,4 +175,7 @@ class ReplicatedExperts(nn.Module):
         unsort_N = torch.empty_like(order_N).scatter_(0, order_N, torch.arange(T * K, device=order_N.device))
         y_TKD = y_ND[unsort_N].view(T, K, -1)
         out_TD = (y_TKD * weights_TK[..., None].to(y_TKD.dtype)).sum(dim=1)
+        shared_TD = shared(x_TD) if shared is not None else None
+        if shared_TD is not None:
+            out_TD = out_TD + shared_TD
         return out_TD, torch.bincount(experts_N, minlength=self.num_experts)
