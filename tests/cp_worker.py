@@ -5,13 +5,12 @@ and writes the largest difference from full-sequence attention on one process, o
 gradients (each rank checks its own positions).
 """
 
-import json
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
-from worker_exit import exit_worker
+from worker_exit import finish_worker
 
 from forge_lightning.distributed.context_parallel import (
     ContextParallel,
@@ -125,9 +124,7 @@ def main() -> None:
             ContextParallel(dist.group.WORLD, balanced, "a2a+p2p", p2p_group, a2a_group)
         except ValueError as err:
             results["error"] = str(err)
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    exit_worker()
+    finish_worker(out, rank, results)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,11 @@ gradients summed over the ranks that hold the same experts.
 """
 
 import copy
-import json
 import sys
 
 import torch
 import torch.distributed as dist
-from worker_exit import exit_worker
+from worker_exit import finish_worker
 
 from forge_lightning.distributed.expert_parallel import ExpertParallel
 from forge_lightning.modules.layers.moe import GatedSharedExpertMoE, MoEBlock, TopKRouter
@@ -106,9 +105,7 @@ def main() -> None:
         ExpertParallel(dist.group.WORLD).local_experts(world + 1)  # 5 experts over 4 ranks
     except ValueError as err:
         results["error"] = str(err)
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    exit_worker()
+    finish_worker(out, rank, results)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The end of a multi-process test worker whose results are already written."""
 
+import json
 import multiprocessing
 import os
 import sys
@@ -19,3 +20,11 @@ def exit_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def finish_worker(out: str, rank: int, results: dict) -> None:
+    """Write this rank's ``results`` to ``out/rank{rank}.json`` (what ``procs.run_workers`` reads) and leave
+    through :func:`exit_worker`."""
+    with open(f"{out}/rank{rank}.json", "w") as f:
+        json.dump(results, f)
+    exit_worker()

@@ -11,14 +11,13 @@ large).
 """
 
 import copy
-import json
 import sys
 from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
-from worker_exit import exit_worker
+from worker_exit import finish_worker
 
 from forge_lightning.contracts import Component, ParallelPlan
 from forge_lightning.distributed.context_parallel import ContextParallel
@@ -133,9 +132,7 @@ def main() -> None:
             _case(ContextParallel(dist.group.WORLD), T2V, _batch(EVEN, torch.float64, False), torch.float64)
         except ValueError as err:
             results["error"] = str(err)
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    exit_worker()
+    finish_worker(out, rank, results)
 
 
 if __name__ == "__main__":

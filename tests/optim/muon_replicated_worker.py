@@ -9,14 +9,13 @@ for DTensor params sharded by rows under a plain all-gather exchange.
 """
 
 import copy
-import json
 import sys
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
-from worker_exit import exit_worker
+from worker_exit import finish_worker
 
 from forge_lightning.optim.muon import Muon, SplitRows
 from forge_lightning.optim.muon_exchange import LocalExchange, ReplicatedExchange, assign_owners
@@ -180,9 +179,7 @@ def main() -> None:
     _run(default, params, 0, 1)
     results["default_exchange"] = type(default._muon_exchange).__name__
     results["dtensor"] = _dtensor_case()
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    exit_worker()
+    finish_worker(out, rank, results)
 
 
 if __name__ == "__main__":

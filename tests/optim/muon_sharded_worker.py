@@ -10,7 +10,6 @@ of each step, the owners, this rank's rank in each parameter's group, the group 
 one process and write the largest difference of the params.
 """
 
-import json
 import math
 import sys
 from unittest import mock
@@ -22,7 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-from worker_exit import exit_worker
+from worker_exit import finish_worker
 
 from forge_lightning.optim.muon import Muon, SplitRows
 from forge_lightning.optim.muon_exchange import LocalExchange, newton_schulz_flops
@@ -236,9 +235,7 @@ def main() -> None:
         # The strategy's FSDP over its flattened dp_shard x cp dims, on top of TP: sharded on (dp_shard_cp, tp).
         strategy = _strategy_mesh((1, 1, 2, 2))
         results["fsdp2_cp_tp"] = _check(_fsdp2_tp(strategy["tp"], strategy["dp_shard_cp"]))
-    with open(f"{out}/rank{rank}.json", "w") as f:
-        json.dump(results, f)
-    exit_worker()
+    finish_worker(out, rank, results)
 
 
 if __name__ == "__main__":
